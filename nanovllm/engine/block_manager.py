@@ -1,0 +1,133 @@
+"""The block manager: PagedAttention's KV-cache allocator with hash-based prefix caching.
+
+The cache is a pool of fixed-size blocks; each sequence owns a block table (a list of block ids)
+and blocks are shared through reference counts. A full block whose K/V have been computed is
+registered under a hash of its tokens chained with the previous block's hash, so a later prompt
+with the same prefix reuses it (the tokens are compared too: a hash collision never returns
+wrong K/V). A freed block keeps its contents and stays findable until it is taken for new data;
+free blocks are taken least recently freed first. Every operation is O(1) per block.
+"""
+from collections import OrderedDict
+
+import numpy as np
+import xxhash
+
+from nanovllm.engine.sequence import Sequence, num_blocks_for
+
+
+def hash_block(token_ids: list[int], prev_hash: int | None) -> int:
+    """xxhash64 of a block's tokens, chained with the hash of the block before it."""
+    h = xxhash.xxh64()
+    if prev_hash is not None:
+        h.update(prev_hash.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: list[int] = []
+
+
+class BlockManager:
+    """Allocates, shares and frees KV-cache blocks; finds cached prefixes."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
+        self.cached_blocks: dict[int, int] = {}  # hash -> block id
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def _take_free_block(self) -> int:
+        """Take the least recently freed block for new data, forgetting what it cached."""
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        assert block.ref_count == 0
+        if block.hash is not None and self.cached_blocks.get(block.hash) == block_id:
+            del self.cached_blocks[block.hash]
+        block.hash, block.token_ids, block.ref_count = None, [], 1
+        return block_id
+
+    def _ref(self, block_id: int):
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_blocks[block_id]
+        block.ref_count += 1
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Ids of the cached blocks that hold the sequence's leading full blocks."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, prev = [], None
+        for i in range(seq.num_tokens // self.block_size):
+            tokens = seq.block_tokens(i)
+            prev = hash_block(tokens, prev)
+            block_id = self.cached_blocks.get(prev)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate(self, seq: Sequence) -> bool:
+        """Give a waiting sequence blocks for all its tokens, reusing a cached prefix; False if they don't fit."""
+        assert not seq.block_table
+        hits = self._cached_prefix(seq)
+        num_new = num_blocks_for(seq.num_tokens, self.block_size) - len(hits)
+        num_free_hits = sum(self.blocks[b].ref_count == 0 for b in hits)
+        if num_new > self.num_free_blocks - num_free_hits:
+            return False
+        for block_id in hits:
+            self._ref(block_id)
+        seq.block_table = hits + [self._take_free_block() for _ in range(num_new)]
+        seq.num_hashed_blocks = len(hits)
+        # a full hit still computes the last prompt token: its logits give the first new token
+        seq.num_computed_tokens = min(len(hits) * self.block_size, seq.num_tokens - 1)
+        if seq.num_completion_tokens == 0:  # report the first admission, not a recomputation
+            seq.num_cached_tokens = seq.num_computed_tokens
+        return True
+
+    def num_blocks_to_append(self, seq: Sequence) -> int:
+        """New blocks the sequence needs before the K/V of all its tokens fit."""
+        return max(0, num_blocks_for(seq.num_tokens, self.block_size) - len(seq.block_table))
+
+    def append_blocks(self, seq: Sequence):
+        """Grow the block table so that every token of the sequence has a slot."""
+        for _ in range(self.num_blocks_to_append(seq)):
+            seq.block_table.append(self._take_free_block())
+
+    def cache_computed_blocks(self, seq: Sequence):
+        """Register the sequence's newly computed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size):
+            block = self.blocks[seq.block_table[i]]
+            prev = self.blocks[seq.block_table[i - 1]].hash if i else None
+            block.token_ids = seq.block_tokens(i)
+            block.hash = hash_block(block.token_ids, prev)
+            self.cached_blocks.setdefault(block.hash, block.block_id)
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size)
+
+    def free(self, seq: Sequence):
+        """Drop the sequence's references; blocks reaching zero become free, tail first."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+        seq.block_table = []
+        seq.num_hashed_blocks = 0

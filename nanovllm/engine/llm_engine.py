@@ -1,0 +1,147 @@
+"""The engine loop: admit requests, then `step()`: schedule, run the model, record the tokens.
+
+`add_request` validates a request and refuses one that could never fit; `step` runs one
+iteration of continuous batching and returns the requests that finished in it.
+"""
+import json
+import os
+import time
+
+from tqdm.auto import tqdm
+
+from nanovllm.config import Config
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence, num_blocks_for
+from nanovllm.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, model: str, **options):
+        self.config = config = Config.from_options(model, **options)
+        if config.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: only 1 is supported for now")
+        self.tokenizer = None
+        if not config.skip_tokenizer_init:
+            from transformers import AutoTokenizer
+            self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.eos_token_ids = self._eos_token_ids()
+        self.model_runner = ModelRunner(config)
+        self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.kvcache_block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = [self.config.hf_config.get("eos_token_id")]
+        path = os.path.join(self.config.model, "generation_config.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                ids.append(json.load(f).get("eos_token_id"))
+        if self.tokenizer is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        flat = set()
+        for i in ids:
+            flat.update(i if isinstance(i, list) else [i])
+        return flat - {None}
+
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams | None) -> Sequence:
+        """Validate one request and build its sequence (nothing is queued yet)."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs the tokenizer; pass token ids or drop skip_tokenizer_init")
+            prompt = self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+            raise TypeError("a prompt must be a string or a list of token ids (int)")
+        vocab, max_len = self.config.hf_config["vocab_size"], self.config.max_model_len
+        if not prompt:
+            raise ValueError("prompt is empty: it needs at least one token")
+        if len(prompt) > max_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens, more than max_model_len={max_len}")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        need = num_blocks_for(min(len(prompt) + params.max_tokens, max_len), self.config.kvcache_block_size)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(f"the request needs {need} KV-cache blocks but the whole cache has "
+                             f"{self.block_manager.num_blocks}; lower max_tokens or enlarge the cache")
+        return Sequence(prompt, params, self.config.kvcache_block_size)
+
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> int:
+        """Queue a request; returns its id (a ValueError for a request that can never run)."""
+        seq = self.make_sequence(prompt, sampling_params)
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def step(self) -> tuple[list[dict], int]:
+        """One iteration: returns the outputs of requests finished now and the number of tokens processed
+        (positive for a prefill step, negative for a decode step: the progress bar's two speeds)."""
+        batch = self.scheduler.schedule()
+        token_ids = self.model_runner.run(batch)
+        sampled = self.scheduler.postprocess(batch, token_ids)
+        finished = [seq for seq in sampled if self._check_finished(seq)]
+        self.scheduler.finish(finished)
+        num_tokens = sum(batch.num_new_tokens) if batch.is_prefill else -len(batch.seqs)
+        return [self.output(seq) for seq in finished], num_tokens
+
+    def _check_finished(self, seq: Sequence) -> bool:
+        p, token = seq.params, seq.token_ids[-1]
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif p.stop and self._stop_string_at(seq) is not None:
+            seq.finish_reason = "stop"
+        elif seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    def _stop_string_at(self, seq: Sequence) -> int | None:
+        """Where the first stop string starts in the completion's text, if one appeared."""
+        text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def output(self, seq: Sequence) -> dict:
+        """The result of a finished request."""
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
+            if seq.params.stop:
+                cut = self._stop_string_at(seq)
+                text = text if cut is None else text[:cut]
+        return {"request_id": seq.seq_id, "text": text, "token_ids": seq.completion_token_ids,
+                "finish_reason": seq.finish_reason, "num_cached_tokens": seq.num_cached_tokens,
+                "prompt_token_ids": seq.token_ids[:seq.num_prompt_tokens]}
+
+    def is_finished(self) -> bool:
+        return not self.scheduler.has_unfinished()
+
+    def generate(self, prompts: list[str] | list[list[int]], sampling_params=None, use_tqdm: bool = True) -> list[dict]:
+        """Run prompts to completion; one output dict per prompt, in input order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
+        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]  # all valid before any runs
+        for seq in seqs:
+            self.scheduler.add(seq)
+        order = {seq.seq_id: i for i, seq in enumerate(seqs)}
+        outputs = [None] * len(seqs)
+        bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        prefill_tps = decode_tps = 0.0
+        while any(o is None for o in outputs):
+            t = time.perf_counter()
+            finished, num_tokens = self.step()
+            rate = abs(num_tokens) / (time.perf_counter() - t)
+            prefill_tps, decode_tps = (rate, decode_tps) if num_tokens > 0 else (prefill_tps, rate)
+            bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s", refresh=False)
+            for out in finished:
+                if out["request_id"] in order:
+                    outputs[order[out["request_id"]]] = out
+                    bar.update(1)
+        bar.close()
+        return outputs

@@ -1,0 +1,53 @@
+"""Sampling the next token: greedy, temperature, top-k / top-p / min-p, per-request seeds.
+
+Sampling draws argmax(p / q) with q ~ Exponential(1), which picks token i with probability p_i
+(the Gumbel-max trick in another form) and needs no multinomial. A seeded request draws its own q
+from a generator seeded by (seed, position), so its tokens do not depend on the rest of the batch.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling settings of one batch, built by the model runner."""
+    temperatures: torch.Tensor  # [B] float32, 0 = greedy
+    top_ks: torch.Tensor | None  # [B] int64, vocab size = off; None when no row truncates
+    top_ps: torch.Tensor | None  # [B] float32
+    min_ps: torch.Tensor | None  # [B] float32
+    seeds: list[tuple[int, int]]  # (row, seed for this step) of the seeded rows
+    all_greedy: bool
+
+
+def truncate(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Set to -inf the logits outside each row's top-k, top-p nucleus and min-p floor."""
+    if t.min_ps is not None:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < t.min_ps[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
+    if t.top_ks is None and t.top_ps is None:
+        return logits
+    sorted_logits, order = logits.sort(-1, descending=True)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if t.top_ks is not None:
+        drop |= torch.arange(logits.size(-1), device=logits.device) >= t.top_ks[:, None]
+    if t.top_ps is not None:
+        probs = sorted_logits.softmax(-1)
+        drop |= probs.cumsum(-1) - probs > t.top_ps[:, None]  # keep the smallest prefix reaching top_p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Next token per row of logits [B, vocab] (float32)."""
+    greedy = logits.argmax(-1)
+    if t.all_greedy:
+        return greedy
+    temps = torch.where(t.temperatures > 0, t.temperatures, 1.0)
+    probs = truncate(logits / temps[:, None], t).softmax(-1)
+    q = torch.empty_like(probs).exponential_()
+    for row, seed in t.seeds:
+        gen = torch.Generator(device=probs.device).manual_seed(seed)
+        q[row].exponential_(generator=gen)
+    sampled = (probs / q).argmax(-1)
+    return torch.where(t.temperatures > 0, sampled, greedy)

@@ -1,0 +1,107 @@
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3) in plain PyTorch.
+
+Qwen2 adds a bias to the qkv projection, Qwen3 an RMSNorm on each query and key head; the rest
+is the same pre-norm transformer. Attention goes through the pluggable backend, which reads and
+writes the paged KV cache; `forward` returns hidden states and `compute_logits` the logits.
+"""
+import torch
+from torch import nn
+
+from nanovllm.attention import AttentionBackend, AttentionMetadata
+from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.norm import RMSNorm
+from nanovllm.layers.rotary import RotaryEmbedding, rope_config
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: dict, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        hidden, self.head_dim = cfg["hidden_size"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, cfg["num_attention_heads"],
+                                          cfg["num_key_value_heads"], bias=qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(cfg["num_attention_heads"] * self.head_dim, hidden)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg["max_position_embeddings"], *rope_config(cfg))
+        self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"]) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"]) if qk_norm else None
+        self.backend = backend
+        self.k_cache = self.v_cache = torch.tensor([])  # [num_blocks, block_size, num_kv_heads, head_dim], set by the runner
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [N, num_heads, head_dim]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta)
+        return self.o_proj(o.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2)
+        self.down_proj = RowParallelLinear(intermediate, hidden)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: dict, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.self_attn = Attention(cfg, backend, qkv_bias, qk_norm)
+        self.mlp = MLP(cfg["hidden_size"], cfg["intermediate_size"])
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+
+    def forward(self, positions, x, residual, meta):
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: dict, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, qkv_bias, qk_norm) for _ in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        return self.norm(x, residual)[0]
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name -> (parameter here, shard) for the packed projections
+    packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, cfg: dict, backend: AttentionBackend, qkv_bias: bool | None = None, qk_norm: bool = False):
+        super().__init__()
+        qkv_bias = cfg.get("attention_bias", False) if qkv_bias is None else qkv_bias
+        self.model = LlamaModel(cfg, backend, qkv_bias, qk_norm)
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
+        if cfg.get("tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] of the new tokens; K/V are written to the cache on the way."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [N, vocab] (None on tensor-parallel ranks other than 0)."""
+        return self.lm_head(hidden)

@@ -1,0 +1,54 @@
+"""Loading weights: every safetensors file of the model directory, through each parameter's weight_loader."""
+import glob
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor):
+    param.data.copy_(loaded)
+
+
+def load_model(model: nn.Module, path: str):
+    """Copy the checkpoint in `path` into model, sharding and packing as the parameters ask."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"model={path!r} has no *.safetensors files")
+    packed = getattr(model, "packed_modules", {})
+    params = dict(model.named_parameters())
+    loaded = set()
+    for file in files:
+        with safe_open(file, "pt", "cpu") as f:
+            for name in f.keys():
+                if "rotary_emb.inv_freq" in name:
+                    continue
+                target, shard = name, None
+                for ckpt, (ours, shard_id) in packed.items():
+                    if f".{ckpt}." in name:
+                        target, shard = name.replace(f".{ckpt}.", f".{ours}."), shard_id
+                        break
+                param = params.get(target)
+                if param is None:
+                    if name == "lm_head.weight":  # tied: the embedding already holds it
+                        continue
+                    raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                tensor = f.get_tensor(name)
+                loader(param, tensor) if shard is None else loader(param, tensor, shard)
+                loaded.add(target)
+    missing = set(params) - loaded
+    if missing:
+        raise ValueError(f"checkpoint in {path!r} lacks {sorted(missing)[:5]}{'...' if len(missing) > 5 else ''}")
+
+
+@torch.no_grad()
+def init_dummy(model: nn.Module, seed: int):
+    """Random weights for benchmarks: small normal matrices, unit norms, zero biases."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.dim() > 1:
+            p.normal_(0, 0.02, generator=gen)
+        else:
+            p.fill_(0.0 if name.endswith("bias") else 1.0)
