@@ -4,15 +4,20 @@ It owns the model, the KV cache (one pair of paged tensors per layer) and the at
 `prepare` is the bridge from the CPU-side block tables to the GPU: new tokens, their positions,
 their cache slots and the per-sequence context lengths, packed into one AttentionMetadata.
 """
+import logging
+
 import torch
 
 from nanovllm.attention import AttentionMetadata, get_backend
 from nanovllm.config import CPU_KVCACHE_BYTES, Config
 from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import Sequence, num_blocks_for
 from nanovllm.layers.sampler import SamplingTensors, sample
 from nanovllm.models import model_class
+from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.loader import init_dummy, load_model
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -34,7 +39,11 @@ class ModelRunner:
             init_dummy(self.model, config.seed)
         else:
             load_model(self.model, config.model)
+        self.graphs = {}
         self.num_kvcache_blocks = self._allocate_kv_cache()
+        use_graphs = self.device.type == "cuda" and config.attn_backend != "sdpa" and not config.enforce_eager
+        if use_graphs:
+            self.capture_cudagraphs()
 
     def _make_backend(self, cfg: dict):
         num_heads = cfg["num_attention_heads"] // self.config.tensor_parallel_size
@@ -42,27 +51,52 @@ class ModelRunner:
         return get_backend(self.config.attn_backend)(num_heads, num_kv_heads, self.head_dim, self.head_dim ** -0.5,
                                                      self.config)
 
-    def _allocate_kv_cache(self) -> int:
-        """One [num_blocks, block_size, num_kv_heads, head_dim] K and V tensor per layer."""
-        attns = [m for m in self.model.modules() if hasattr(m, "k_cache")]
-        num_kv_heads = attns[0].num_kv_heads
-        block_bytes = 2 * len(attns) * self.block_size * num_kv_heads * self.head_dim * self.config.torch_dtype.itemsize
-        num_blocks = self.config.num_kvcache_blocks
-        if num_blocks < 0:
-            if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                budget = free - total * (1 - self.config.gpu_memory_utilization)
-            else:
-                budget = CPU_KVCACHE_BYTES
-            num_blocks = int(budget // block_bytes)
-        if num_blocks < 1:
-            raise ValueError(f"no memory left for the KV cache (one block takes {block_bytes} bytes); "
-                             "raise gpu_memory_utilization or lower max_model_len")
-        shape = (2, len(attns), num_blocks, self.block_size, num_kv_heads, self.head_dim)
+    def _bind_kv_cache(self, num_blocks: int):
+        """Allocate one [num_blocks, block_size, num_kv_heads, head_dim] K and V tensor per layer."""
+        self.kv_cache = None
+        shape = (2, len(self.attns), num_blocks, self.block_size, self.attns[0].num_kv_heads, self.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
-        for i, attn in enumerate(attns):
+        for i, attn in enumerate(self.attns):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    def _allocate_kv_cache(self) -> int:
+        """Size the KV cache: what gpu_memory_utilization leaves after the weights and a warm-up pass."""
+        self.attns = [m for m in self.model.modules() if hasattr(m, "k_cache")]
+        block_bytes = (2 * len(self.attns) * self.block_size * self.attns[0].num_kv_heads * self.head_dim
+                       * self.config.torch_dtype.itemsize)
+        num_blocks = self.config.num_kvcache_blocks
+        if num_blocks < 0 and self.device.type == "cpu":
+            num_blocks = CPU_KVCACHE_BYTES // block_bytes
+        elif num_blocks < 0:
+            self._bind_kv_cache(1)  # the warm-up only needs somewhere to write
+            self._warmup()
+            self.kv_cache = None
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            stats = torch.cuda.memory_stats(self.device)
+            transient = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+            num_blocks = int((total * self.config.gpu_memory_utilization - (total - free) - transient) // block_bytes)
+        if num_blocks < 1:
+            raise ValueError(f"no memory left for the KV cache (a block takes {block_bytes / 2**20:.1f} MiB): "
+                             "raise gpu_memory_utilization or lower max_num_batched_tokens / max_num_seqs")
+        self._bind_kv_cache(num_blocks)
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB", num_blocks, self.block_size,
+                    num_blocks * self.block_size, num_blocks * block_bytes / 2**30)
         return num_blocks
+
+    @torch.inference_mode()
+    def _warmup(self):
+        """Run the largest prefill and the largest sampling batch once, so their peak memory is known."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        length = min(self.config.max_model_len, self.config.max_num_batched_tokens)
+        num_seqs = max(1, min(self.config.max_num_batched_tokens // length, self.config.max_num_seqs))
+        seqs = [Sequence([0] * length, SamplingParams(), self.block_size) for _ in range(num_seqs)]
+        for seq in seqs:
+            seq.block_table = [0] * num_blocks_for(length, self.block_size)  # every token writes into block 0
+        self.run(ScheduledBatch(seqs, [length] * num_seqs, is_prefill=True))
+        logits = torch.randn(self.config.max_num_seqs, self.config.hf_config["vocab_size"], device=self.device)
+        params = [SamplingParams(temperature=1.0, top_p=0.9)] * self.config.max_num_seqs
+        sample(logits, self.sampling_tensors([Sequence([0], p, self.block_size) for p in params]))
 
     def _tensor(self, data, dtype=torch.int32) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
@@ -112,10 +146,61 @@ class ModelRunner:
             all_greedy=all(t == 0 for t in temps))
 
     @torch.inference_mode()
+    def capture_cudagraphs(self):
+        """CUDA graphs for decode: one per batch size of a ladder up to max_num_seqs, sharing one memory pool.
+
+        A decode step is dozens of small kernels per layer; replaying a graph launches them all at
+        once. The graph reads its inputs from static tensors that `run` fills before each replay.
+        """
+        max_bs = self.config.max_num_seqs
+        max_blocks = num_blocks_for(self.config.max_model_len, self.block_size)
+        hidden_size = self.config.hf_config["hidden_size"]
+        self.graph_sizes = sorted({1, 2, 4, 8, *range(16, max_bs, 16), max_bs})
+        g = self.graph_vars = dict(
+            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=self.device),
+            positions=torch.zeros(max_bs, dtype=torch.int64, device=self.device),
+            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32, device=self.device),
+            context_lens=torch.zeros(max_bs, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=self.device),
+            hidden=torch.zeros(max_bs, hidden_size, dtype=self.config.torch_dtype, device=self.device))
+        self.graphs, pool = {}, None
+        for bs in reversed(self.graph_sizes):
+            meta = AttentionMetadata(False, g["slot_mapping"][:bs], g["context_lens"][:bs], g["block_tables"][:bs])
+            g["hidden"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs], meta)  # warm up (Triton autotune, workspaces)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                g["hidden"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs], meta)
+            pool = pool or graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize()
+
+    def _replay(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        """Copy a decode batch into the static inputs, pad it to the next captured size, replay."""
+        n = input_ids.size(0)
+        bs = next(b for b in self.graph_sizes if b >= n)
+        g = self.graph_vars
+        g["input_ids"][:n] = input_ids
+        g["positions"][:n] = positions
+        g["slot_mapping"][n:bs] = -1  # padding rows write nowhere and attend to nothing
+        g["slot_mapping"][:n] = meta.slot_mapping
+        g["context_lens"][n:bs] = 0
+        g["context_lens"][:n] = meta.context_lens
+        g["block_tables"][:n, :meta.block_tables.size(1)] = meta.block_tables
+        self.graphs[bs].replay()
+        return g["hidden"][:n]
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """One forward step of the batch: float32 logits [num_seqs, vocab] at each sequence's last new token."""
+        input_ids, positions, meta, cu_q = self.prepare(batch)
+        if not batch.is_prefill and self.graphs:
+            hidden = self._replay(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
+        last = self._tensor(cu_q[1:], torch.int64) - 1
+        return self.model.compute_logits(hidden[last]).float()
+
+    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int]:
         """One forward step of the batch; returns the next token of each sequence."""
-        input_ids, positions, meta, cu_q = self.prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
-        last = self._tensor(cu_q[1:], torch.int64) - 1  # the last new token of each sequence
-        logits = self.model.compute_logits(hidden[last]).float()
-        return sample(logits, self.sampling_tensors(batch.seqs)).tolist()
+        return sample(self.compute_logits(batch), self.sampling_tensors(batch.seqs)).tolist()
