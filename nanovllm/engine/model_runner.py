@@ -102,12 +102,22 @@ class ModelRunner:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
         return t.to(self.device, non_blocking=True)
 
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _upload(self, *parts: list[int]) -> list[torch.Tensor]:
+        """Copy several int lists to the device in one transfer; one int32 tensor per list."""
+        flat = self._tensor([x for part in parts for x in part])
+        return list(flat.split([len(part) for part in parts]))
+
+    @staticmethod
+    def _padded_block_tables(seqs: list[Sequence]) -> tuple[list[int], int]:
         width = max(len(s.block_table) for s in seqs)
-        return self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs])
+        return [b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))], width
 
     def prepare(self, batch: ScheduledBatch):
         """Input ids, positions and attention metadata for the new tokens of the batch."""
+        return self.prepare_prefill(batch) if batch.is_prefill else self.prepare_decode(batch.seqs)
+
+    def prepare_prefill(self, batch: ScheduledBatch):
+        """Prefill: each sequence computes tokens num_computed_tokens.. (a whole prompt or a chunk of it)."""
         input_ids, positions, slots, cu_q, cu_k, context_lens = [], [], [], [0], [0], []
         bs = self.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -120,15 +130,22 @@ class ModelRunner:
             cu_q.append(cu_q[-1] + n)
             cu_k.append(cu_k[-1] + end)
             context_lens.append(end)
-        meta = AttentionMetadata(
-            is_prefill=batch.is_prefill, slot_mapping=self._tensor(slots), context_lens=self._tensor(context_lens),
-            block_tables=self._block_tables(batch.seqs))
-        if batch.is_prefill:
-            meta.cu_seqlens_q, meta.cu_seqlens_k = self._tensor(cu_q), self._tensor(cu_k)
-            meta.max_seqlen_q = max(batch.num_new_tokens)
-            meta.max_seqlen_k = max(context_lens)
-            meta.has_prefix = cu_k[-1] != cu_q[-1]
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta, cu_q
+        tables, width = self._padded_block_tables(batch.seqs)
+        ids, pos, slot_mapping, cu_q_t, cu_k_t, ctx, tables = self._upload(
+            input_ids, positions, slots, cu_q, cu_k, context_lens, tables)
+        meta = AttentionMetadata(True, slot_mapping, ctx, tables.view(len(batch.seqs), width), cu_q_t, cu_k_t,
+                                 max(batch.num_new_tokens), max(context_lens), has_prefix=cu_k[-1] != cu_q[-1])
+        return ids, pos, meta
+
+    def prepare_decode(self, seqs: list[Sequence]):
+        """Decode: one new token per sequence, its last one, at position len - 1."""
+        bs = self.block_size
+        lens = [len(s) for s in seqs]
+        slots = [s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, lens)]
+        tables, width = self._padded_block_tables(seqs)
+        ids, pos, slot_mapping, ctx, tables = self._upload(
+            [s.token_ids[-1] for s in seqs], [n - 1 for n in lens], slots, lens, tables)
+        return ids, pos, AttentionMetadata(False, slot_mapping, ctx, tables.view(len(seqs), width))
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         """Per-row sampling settings; truncation tensors only when some row uses them."""
@@ -157,8 +174,8 @@ class ModelRunner:
         hidden_size = self.config.hf_config["hidden_size"]
         self.graph_sizes = sorted({1, 2, 4, 8, *range(16, max_bs, 16), max_bs})
         g = self.graph_vars = dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=self.device),
-            positions=torch.zeros(max_bs, dtype=torch.int64, device=self.device),
+            input_ids=torch.zeros(max_bs, dtype=torch.int32, device=self.device),
+            positions=torch.zeros(max_bs, dtype=torch.int32, device=self.device),
             slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32, device=self.device),
             context_lens=torch.zeros(max_bs, dtype=torch.int32, device=self.device),
             block_tables=torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=self.device),
@@ -192,13 +209,14 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """One forward step of the batch: float32 logits [num_seqs, vocab] at each sequence's last new token."""
-        input_ids, positions, meta, cu_q = self.prepare(batch)
+        input_ids, positions, meta = self.prepare(batch)
         if not batch.is_prefill and self.graphs:
             hidden = self._replay(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
-        last = self._tensor(cu_q[1:], torch.int64) - 1
-        return self.model.compute_logits(hidden[last]).float()
+        if batch.is_prefill:
+            hidden = hidden[meta.cu_seqlens_q[1:] - 1]  # the last new token of each sequence
+        return self.model.compute_logits(hidden).float()
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int]:
