@@ -1,8 +1,8 @@
 """torch.compile, applied at one visible place.
 
 A decode step of a small model spends much of its time in tiny elementwise kernels (norms,
-rotary, the SwiGLU gate). On CUDA each function marked `@fused` is compiled into one fused kernel;
-on CPU it runs as the plain PyTorch written below it.
+rotary, the SwiGLU gate). On CUDA each function marked `@fused` is compiled, on its first call,
+into one fused kernel; on CPU it runs as the plain PyTorch written below it.
 """
 import functools
 
@@ -10,9 +10,14 @@ import torch
 
 
 def fused(fn):
-    compiled = torch.compile(fn, dynamic=True)
+    compiled = None
 
     @functools.wraps(fn)
     def run(x, *args):
-        return compiled(x, *args) if x.is_cuda else fn(x, *args)
+        nonlocal compiled
+        if not x.is_cuda:
+            return fn(x, *args)
+        if compiled is None:  # lazily: compiling imports triton, which must not happen on import
+            compiled = torch.compile(fn, dynamic=True)
+        return compiled(x, *args)
     return run
