@@ -3,11 +3,13 @@
 The cache is a pool of fixed-size blocks; each sequence owns a block table (a list of block ids)
 and blocks are shared through reference counts. A full block whose K/V have been computed is
 registered under a hash of its tokens chained with the previous block's hash, so a later prompt
-with the same prefix reuses it (the tokens are compared too: a hash collision never returns
-wrong K/V). A freed block keeps its contents and stays findable until it is taken for new data;
-free blocks are taken least recently freed first. Every operation is O(1) per block.
+with the same prefix reuses it. The hash is only a hint: a hit is confirmed by comparing the
+block's tokens and the identity of the prefix before them (`content_id`), so a hash collision
+never returns wrong K/V. A freed block keeps its contents and stays findable until it is taken
+for new data; free blocks are taken least recently freed first. Every operation is O(1) per block.
 """
 from collections import OrderedDict
+from itertools import count
 
 import numpy as np
 import xxhash
@@ -25,13 +27,20 @@ def hash_block(token_ids: list[int], prev_hash: int | None) -> int:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "content_id", "prev_content_id")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None
         self.token_ids: list[int] = []
+        self.content_id: int | None = None       # names what the block holds: these tokens after that prefix
+        self.prev_content_id: int | None = None  # content_id of the block before it (None: the first block)
+
+    def holds(self, token_ids: list[int], prev_content_id: int | None) -> bool:
+        """Whether the block's K/V are those of token_ids following the prefix named prev_content_id."""
+        return (self.content_id is not None and self.prev_content_id == prev_content_id
+                and self.token_ids == token_ids)
 
 
 class BlockManager:
@@ -43,6 +52,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
         self.cached_blocks: dict[int, int] = {}  # hash -> block id
+        self._content_ids = count()
 
     @property
     def num_blocks(self) -> int:
@@ -60,6 +70,7 @@ class BlockManager:
         if block.hash is not None and self.cached_blocks.get(block.hash) == block_id:
             del self.cached_blocks[block.hash]
         block.hash, block.token_ids, block.ref_count = None, [], 1
+        block.content_id = block.prev_content_id = None
         return block_id
 
     def _ref(self, block_id: int):
@@ -72,14 +83,15 @@ class BlockManager:
         """Ids of the cached blocks that hold the sequence's leading full blocks."""
         if not self.enable_prefix_caching:
             return []
-        hits, prev = [], None
+        hits, prev_hash, prev_content_id = [], None, None
         for i in range(seq.num_tokens // self.block_size):
             tokens = seq.block_tokens(i)
-            prev = hash_block(tokens, prev)
-            block_id = self.cached_blocks.get(prev)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            prev_hash = hash_block(tokens, prev_hash)
+            block_id = self.cached_blocks.get(prev_hash)
+            if block_id is None or not self.blocks[block_id].holds(tokens, prev_content_id):
                 break
             hits.append(block_id)
+            prev_content_id = self.blocks[block_id].content_id
         return hits
 
     def allocate(self, seq: Sequence) -> bool:
@@ -115,10 +127,14 @@ class BlockManager:
             return
         for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size):
             block = self.blocks[seq.block_table[i]]
-            prev = self.blocks[seq.block_table[i - 1]].hash if i else None
+            prev = self.blocks[seq.block_table[i - 1]] if i else None
             block.token_ids = seq.block_tokens(i)
-            block.hash = hash_block(block.token_ids, prev)
-            self.cached_blocks.setdefault(block.hash, block.block_id)
+            block.hash = hash_block(block.token_ids, prev.hash if prev is not None else None)
+            block.prev_content_id = prev.content_id if prev is not None else None
+            owner = self.blocks[self.cached_blocks.setdefault(block.hash, block.block_id)]
+            # a block equal to the registered one shares its name, so blocks after either one can hit
+            same = owner is not block and owner.holds(block.token_ids, block.prev_content_id)
+            block.content_id = owner.content_id if same else next(self._content_ids)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size)
 
     def free(self, seq: Sequence):

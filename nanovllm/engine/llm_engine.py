@@ -50,6 +50,8 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={params.stop} needs the tokenizer; use stop_token_ids or drop skip_tokenizer_init")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs the tokenizer; pass token ids or drop skip_tokenizer_init")
@@ -78,7 +80,9 @@ class LLMEngine:
 
     def step(self) -> tuple[list[dict], int]:
         """One iteration: returns the outputs of requests finished now and the number of tokens processed
-        (positive for a prefill step, negative for a decode step: the progress bar's two speeds)."""
+        (positive for a prefill step, negative for a decode step: the progress bar's two speeds; 0 when idle)."""
+        if not self.scheduler.has_unfinished():
+            return [], 0
         batch = self.scheduler.schedule()
         token_ids = self.model_runner.run(batch)
         sampled = self.scheduler.postprocess(batch, token_ids)

@@ -43,7 +43,8 @@ class Scheduler:
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         seqs, num_new, budget = [], [], self.max_num_batched_tokens
-        while self.waiting and budget > 0 and len(self.running) + len(seqs) < self.max_num_seqs:
+        # a fully scheduled prompt joins `running` at once, so running already counts this batch's sequences
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table and not self.block_manager.allocate(seq):
                 break

@@ -21,20 +21,21 @@ class SamplingTensors:
 
 
 def truncate(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Set to -inf the logits outside each row's top-k, top-p nucleus and min-p floor."""
+    """Set to -inf the logits outside each row's min-p floor, top-k and top-p nucleus, applied in that order
+    (as vLLM does): top-p counts probability among the tokens that min-p and top-k left."""
     if t.min_ps is not None:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < t.min_ps[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
     if t.top_ks is None and t.top_ps is None:
         return logits
     sorted_logits, order = logits.sort(-1, descending=True)
-    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if t.top_ks is not None:
-        drop |= torch.arange(logits.size(-1), device=logits.device) >= t.top_ks[:, None]
+        outside = torch.arange(logits.size(-1), device=logits.device) >= t.top_ks[:, None]
+        sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
     if t.top_ps is not None:
         probs = sorted_logits.softmax(-1)
-        drop |= probs.cumsum(-1) - probs > t.top_ps[:, None]  # keep the smallest prefix reaching top_p
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        outside = probs.cumsum(-1) - probs > t.top_ps[:, None]  # keep the smallest prefix reaching top_p
+        sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 

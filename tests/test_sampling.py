@@ -1,0 +1,162 @@
+"""Sampling: greedy and its equivalents end to end, per-request seeds, and the truncation rules.
+
+The statistical tests draw many samples from one synthetic logits row through
+`nanovllm.layers.sampler.sample` and compare the frequencies with the renormalized probabilities.
+"""
+import pytest
+import torch
+
+from nanovllm import SamplingParams
+from nanovllm.layers.sampler import SamplingTensors, sample
+from tests.helpers import hf_greedy, make_llm, random_prompts, token_ids
+
+N = 32
+
+
+@pytest.fixture(scope="module")
+def qwen3(random_checkpoint):
+    path, hf_model = random_checkpoint("qwen3")
+    return make_llm(path), hf_model
+
+
+def params(**kw) -> SamplingParams:
+    return SamplingParams(max_tokens=N, ignore_eos=True, **kw)
+
+
+# ---------- end to end ----------
+
+def test_temperature_zero_is_greedy_among_sampled_requests(qwen3):
+    llm, hf_model = qwen3
+    prompts = random_prompts(4, (5, 60), seed=50)
+    mixed = [params(temperature=0), params(temperature=1.0, seed=1), params(temperature=0),
+             params(temperature=1.5, top_p=0.9, seed=2)]
+    outputs = llm.generate(prompts, mixed, use_tqdm=False)
+    for i in (0, 2):
+        assert outputs[i]["token_ids"] == hf_greedy(hf_model, prompts[i], N)
+    for i in (1, 3):  # the sampled ones are not greedy (32 tokens from a 512-token vocabulary)
+        assert outputs[i]["token_ids"] != hf_greedy(hf_model, prompts[i], N)
+
+
+@pytest.mark.parametrize("truncation", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)],
+                         ids=["top_k=1", "tiny_top_p", "min_p=1"])
+def test_truncation_to_one_token_equals_greedy(qwen3, truncation):
+    """Each truncation rule, at its extreme, leaves only the argmax: the engine must apply it to every row."""
+    llm, _ = qwen3
+    prompts = random_prompts(3, (5, 60), seed=51)
+    greedy = token_ids(llm.generate(prompts, params(temperature=0), use_tqdm=False))
+    hot = token_ids(llm.generate(prompts, params(temperature=2.0, **truncation), use_tqdm=False))
+    assert hot == greedy
+
+
+def test_same_seed_reproduces_whatever_else_is_in_the_batch(qwen3):
+    llm, _ = qwen3
+    prompt, *others = random_prompts(4, (10, 40), seed=52)
+    seeded = params(temperature=1.0, top_k=50, seed=1234)
+    alone = llm.generate([prompt], seeded, use_tqdm=False)[0]["token_ids"]
+    crowd = [params(temperature=1.0), params(temperature=0.7, seed=5), params(temperature=0)]
+    batch = llm.generate(others[:1] + [prompt] + others[1:], [crowd[0], seeded, crowd[1], crowd[2]], use_tqdm=False)
+    assert batch[1]["token_ids"] == alone
+    assert llm.generate([prompt, prompt], [seeded, seeded], use_tqdm=False)[1]["token_ids"] == alone
+
+
+def test_different_seeds_differ_and_no_seed_varies(qwen3):
+    llm, _ = qwen3
+    prompt, = random_prompts(1, (20, 20), seed=53)
+    runs = [llm.generate([prompt], params(temperature=1.0, seed=s), use_tqdm=False)[0]["token_ids"]
+            for s in (1, 2)]
+    assert runs[0] != runs[1]
+    unseeded = [llm.generate([prompt], params(temperature=1.0), use_tqdm=False)[0]["token_ids"] for _ in range(2)]
+    assert unseeded[0] != unseeded[1]
+
+
+def test_engine_top_k_keeps_sampled_tokens_in_the_top_k(qwen3):
+    """Teacher-check each sampled token against the model's own logits at that position."""
+    llm, hf_model = qwen3
+    prompt, = random_prompts(1, (20, 20), seed=54)
+    out = llm.generate([prompt], params(temperature=5.0, top_k=3, seed=0), use_tqdm=False)[0]["token_ids"]
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
+    ranks = (logits > logits.gather(1, torch.tensor(out)[:, None])).sum(1)  # how many tokens beat the sampled one
+    assert ranks.max() < 3
+    assert ranks.max() > 0  # at temperature 5, not everything is the argmax
+
+
+# ---------- the sampler on a synthetic row ----------
+
+PROBS = torch.tensor([0.35, 0.25, 0.15, 0.10, 0.06, 0.05, 0.03, 0.01])
+DRAWS = 20_000
+
+
+def draw(temperature=1.0, top_k=None, top_p=None, min_p=None, logits=None) -> torch.Tensor:
+    """Token frequencies [vocab] of DRAWS samples of one row (a batch of DRAWS copies)."""
+    logits = (PROBS.log() if logits is None else logits).repeat(DRAWS, 1)
+    full = lambda v, dtype: None if v is None else torch.full((DRAWS,), v, dtype=dtype)  # noqa: E731
+    t = SamplingTensors(temperatures=torch.full((DRAWS,), float(temperature)), top_ks=full(top_k, torch.int64),
+                        top_ps=full(top_p, torch.float32), min_ps=full(min_p, torch.float32), seeds=[],
+                        all_greedy=False)
+    torch.manual_seed(0)
+    tokens = sample(logits, t)
+    return torch.bincount(tokens, minlength=len(PROBS)).float() / DRAWS
+
+
+def assert_frequencies(freq: torch.Tensor, keep: list[int], probs: torch.Tensor = PROBS):
+    expected = torch.zeros_like(probs)
+    expected[keep] = probs[keep] / probs[keep].sum()
+    outside = [i for i in range(len(probs)) if i not in keep]
+    assert freq[outside].sum() == 0, freq  # never a token outside
+    assert torch.allclose(freq, expected, atol=0.015), (freq, expected)  # about 4 sigma at 20,000 draws
+
+
+def test_plain_sampling_follows_the_distribution():
+    assert_frequencies(draw(), list(range(8)))
+
+
+def test_temperature_reshapes_the_distribution():
+    sharp = PROBS ** 2 / (PROBS ** 2).sum()  # temperature 0.5 squares the probabilities
+    assert_frequencies(draw(temperature=0.5), list(range(8)), sharp)
+
+
+@pytest.mark.parametrize("top_p, nucleus", [(0.5, 2), (0.7, 3), (0.8, 4), (0.99, 8)])
+def test_top_p_keeps_only_the_nucleus(top_p, nucleus):
+    """The smallest set of most likely tokens whose probability reaches top_p (cumsum: .35 .60 .75 .85 ...)."""
+    assert_frequencies(draw(top_p=top_p), list(range(nucleus)))
+
+
+def test_top_p_works_on_unsorted_logits():
+    perm = torch.tensor([5, 2, 7, 0, 3, 6, 1, 4])
+    freq = draw(top_p=0.7, logits=PROBS[perm].log())
+    keep = [int(i) for i in (perm[:, None] == torch.tensor([0, 1, 2])).nonzero()[:, 0]]  # where PROBS[0..2] landed
+    assert_frequencies(freq, sorted(keep), PROBS[perm])
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 5])
+def test_top_k_restricts(top_k):
+    assert_frequencies(draw(top_k=top_k), list(range(top_k)))
+
+
+@pytest.mark.parametrize("min_p, kept", [(0.3, 3), (0.5, 2), (0.1, 6)])
+def test_min_p_restricts(min_p, kept):
+    """min_p keeps the tokens with at least min_p times the top probability (0.35)."""
+    assert_frequencies(draw(min_p=min_p), list(range(kept)))
+
+
+def test_truncations_combine_in_order():
+    """min-p, then top-k, then top-p among what is left (as vLLM): top_k=3 leaves .35 .25 .15, i.e.
+    .47 .33 .20 renormalized, whose 0.7 nucleus is two tokens (on the full row it would be three)."""
+    assert_frequencies(draw(top_k=3, top_p=0.7), [0, 1])
+    assert_frequencies(draw(min_p=0.3, top_p=0.7), [0, 1])
+    assert_frequencies(draw(top_k=3, min_p=0.2), [0, 1, 2])  # min-p alone would keep 4
+
+
+def test_rows_are_independent_and_greedy_rows_take_the_argmax():
+    logits = torch.randn(6, 100)
+    t = SamplingTensors(temperatures=torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 1.0]),
+                        top_ks=torch.tensor([100, 1, 100, 100, 100, 100]), top_ps=None, min_ps=None,
+                        seeds=[(5, 77)], all_greedy=False)
+    tokens = sample(logits, t)
+    argmax = logits.argmax(-1)
+    assert tokens[[0, 2, 4, 1]].tolist() == argmax[[0, 2, 4, 1]].tolist()  # row 1: top_k=1
+    # a seeded row draws the same token whatever the other rows hold
+    other = torch.randn(6, 100)
+    other[5] = logits[5]
+    assert sample(other, t)[5] == tokens[5]

@@ -1,0 +1,154 @@
+"""Unit tests of the scheduler with a real block manager and fake model steps (no model involved)."""
+from types import SimpleNamespace
+
+from nanovllm import SamplingParams
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+BS = 4
+
+
+def make(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, prefix_caching=True):
+    config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    return Scheduler(config, BlockManager(num_blocks, BS, prefix_caching))
+
+
+def add(sched, *lengths, start=0) -> list[Sequence]:
+    seqs = []
+    for i, n in enumerate(lengths):
+        seq = Sequence([start + 100 * i + t for t in range(n)], SamplingParams(), BS)
+        sched.add(seq)
+        seqs.append(seq)
+    return seqs
+
+
+def step(sched, token=7):
+    """Schedule and record one fake model step that samples `token` for every sequence."""
+    batch = sched.schedule()
+    sched.postprocess(batch, [token] * len(batch.seqs))
+    return batch
+
+
+def test_prefill_is_first_come_first_served():
+    sched = make()
+    seqs = add(sched, 5, 3, 8)
+    batch = sched.schedule()
+    assert batch.is_prefill and batch.seqs == seqs and batch.num_new_tokens == [5, 3, 8]
+    assert list(sched.running) == seqs and not sched.waiting
+    assert all(s.status == SequenceStatus.RUNNING for s in seqs)
+
+
+def test_decode_steps_every_running_sequence():
+    sched = make()
+    seqs = add(sched, 5, 3)
+    step(sched)
+    assert [s.num_tokens for s in seqs] == [6, 4]
+    batch = step(sched, token=9)
+    assert not batch.is_prefill and batch.seqs == seqs and batch.num_new_tokens == [1, 1]
+    assert [s.token_ids[-2:] for s in seqs] == [[7, 9], [7, 9]]
+    assert [s.num_computed_tokens for s in seqs] == [6, 4]
+
+
+def test_max_num_seqs_limits_the_batch():
+    sched = make(max_num_seqs=2)
+    seqs = add(sched, 3, 3, 3)
+    assert step(sched).seqs == seqs[:2]
+    batch = step(sched)  # the third waits: two are running already
+    assert not batch.is_prefill and batch.seqs == seqs[:2]
+    assert list(sched.waiting) == seqs[2:]
+    sched.finish([seqs[0]])
+    assert step(sched).seqs == [seqs[2]]
+    assert list(sched.running) == [seqs[1], seqs[2]]
+
+
+def test_token_budget_limits_the_batch_and_chunks_the_last_prompt():
+    sched = make(max_num_batched_tokens=25)
+    s1, s2, s3 = add(sched, 10, 10, 10)
+    batch = step(sched)
+    assert batch.seqs == [s1, s2, s3] and batch.num_new_tokens == [10, 10, 5]
+    assert s3.status == SequenceStatus.WAITING and s3.num_computed_tokens == 5
+    assert s3.num_tokens == 10  # a partial prefill samples nothing
+    assert [s.num_tokens for s in (s1, s2)] == [11, 11]
+    batch = step(sched)  # the partial prefill goes on before any decode
+    assert batch.is_prefill and batch.seqs == [s3] and batch.num_new_tokens == [5]
+    assert s3.status == SequenceStatus.RUNNING and s3.num_tokens == 11
+
+
+def test_chunked_prefill_of_a_long_prompt():
+    sched = make(max_num_batched_tokens=16)
+    seq, = add(sched, 40)
+    chunks = []
+    while seq.status == SequenceStatus.WAITING:
+        batch = step(sched)
+        assert batch.is_prefill and batch.seqs == [seq]
+        chunks.append(batch.num_new_tokens[0])
+    assert chunks == [16, 16, 8]
+    assert seq.num_computed_tokens == 40 and seq.num_tokens == 41
+    assert seq.num_hashed_blocks == 10  # every full block registered as it was computed
+    assert not step(sched).is_prefill
+
+
+def test_waiting_request_that_does_not_fit_waits():
+    sched = make(num_blocks=4)
+    s1, s2 = add(sched, 12, 8)  # 3 + 2 blocks > 4
+    assert step(sched).seqs == [s1]
+    assert list(sched.waiting) == [s2] and s2.block_table == []
+    sched.finish([s1])
+    assert step(sched).seqs == [s2]
+
+
+def test_preemption_takes_the_newest_and_requeues_it_first():
+    sched = make(num_blocks=6)
+    s1, s2, s3 = add(sched, 8, 8, 8)  # two blocks each: the cache is full
+    step(sched)  # prefill: each now holds 9 tokens and needs a third block
+    assert sched.block_manager.num_free_blocks == 0
+    batch = step(sched)
+    # s3 (newest) is preempted and frees 2 blocks: s1 and s2 take one each
+    assert batch.seqs == [s1, s2] and sched.num_preemptions == 1
+    assert list(sched.waiting) == [s3] and s3.status == SequenceStatus.WAITING
+    assert s3.block_table == [] and s3.num_computed_tokens == 0
+    assert s3.num_tokens == 9  # its sampled token is kept and recomputed later
+
+
+def test_preempted_sequences_keep_their_order():
+    sched = make(num_blocks=3)
+    s1, s2, s3 = add(sched, 4, 4, 4)
+    step(sched)  # each holds 5 tokens and needs a second block: only s1 can grow
+    batch = step(sched)
+    assert batch.seqs == [s1] and sched.num_preemptions == 2
+    assert list(sched.waiting) == [s2, s3]  # s3 went first, then s2 in front of it
+
+
+def test_last_running_sequence_preempts_itself_when_blocks_are_held_elsewhere():
+    sched = make(num_blocks=2)
+    s1, s2 = add(sched, 4, 4)
+    step(sched)
+    # both need a second block; s2 is preempted, then s1 takes a block
+    assert step(sched).seqs == [s1]
+    assert list(sched.waiting) == [s2]
+
+
+def test_preempted_sequence_recomputes_and_hits_its_own_cached_blocks():
+    sched = make(num_blocks=5)
+    s1, s2 = add(sched, 8, 8)
+    step(sched)   # 9 tokens each, 2 blocks each, 1 free
+    step(sched)   # s1 takes the free block; s2 needs one too: preempted
+    assert list(sched.waiting) == [s2]
+    sched.finish([s1])
+    batch = sched.schedule()  # s2 comes back: its 8 prompt tokens were registered, only the rest is computed
+    assert batch.is_prefill and batch.seqs == [s2]
+    assert batch.num_new_tokens == [1] and s2.num_computed_tokens == 8
+    assert s2.num_cached_tokens == 0  # the report is about the first admission only
+
+
+def test_finish_frees_blocks_and_leaves_running():
+    sched = make(num_blocks=8)
+    s1, s2 = add(sched, 5, 5)
+    step(sched)
+    sched.finish([s1])
+    assert s1.status == SequenceStatus.FINISHED and s1.block_table == []
+    assert list(sched.running) == [s2]
+    assert sched.block_manager.num_free_blocks == 8 - 2
+    sched.finish([s2])
+    assert not sched.has_unfinished()
