@@ -1,24 +1,66 @@
 """The model runner: turns a scheduled batch into tensors, runs the model, samples.
 
 It owns the model, the KV cache (one pair of paged tensors per layer) and the attention backend.
-`prepare` is the bridge from the CPU-side block tables to the GPU: new tokens, their positions,
-their cache slots and the per-sequence context lengths, packed into one AttentionMetadata.
+`step_inputs` is the bridge from the CPU-side block tables to the model: new tokens, their
+positions, their cache slots and the per-sequence context lengths, as plain lists; `prepare` turns
+them into tensors and one AttentionMetadata. With tensor parallelism, rank 0 sends those lists to
+the other ranks (nanovllm/engine/distributed.py) and every rank `execute`s the same step.
 """
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
 from nanovllm.attention import AttentionMetadata, get_backend
 from nanovllm.config import CPU_KVCACHE_BYTES, Config
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.linear import tensor_parallel
 from nanovllm.layers.sampler import SamplingTensors, sample
 from nanovllm.models import model_class
 from nanovllm.utils.loader import init_dummy, load_model
 
+if TYPE_CHECKING:
+    from nanovllm.engine.distributed import TPGroup
+
+
+@dataclass
+class StepInputs:
+    """One forward pass as plain lists: all that a tensor-parallel worker is sent each step."""
+    is_prefill: bool
+    input_ids: list[int]           # the new tokens of all sequences, packed
+    positions: list[int]
+    slot_mapping: list[int]        # the cache slot of each new token
+    context_lens: list[int]        # per sequence: keys after this step (cached + new)
+    block_tables: list[list[int]]  # per sequence, unpadded
+    cu_seqlens_q: list[int]        # [num_seqs + 1]: sequence i owns new tokens cu_seqlens_q[i]:cu_seqlens_q[i+1]
+    cu_seqlens_k: list[int]        # [num_seqs + 1]
+
+
+def step_inputs(batch: ScheduledBatch, bs: int) -> StepInputs:
+    """The new tokens of the batch, their positions and cache slots (block size `bs`), each sequence's context."""
+    step = StepInputs(batch.is_prefill, [], [], [], [], [s.block_table for s in batch.seqs], [0], [0])
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        step.input_ids += seq.token_ids[start:end]
+        step.positions += range(start, end)
+        for b in range(start // bs, (end + bs - 1) // bs):  # slots run block by block
+            first = seq.block_table[b] * bs
+            step.slot_mapping += range(first + max(start - b * bs, 0), first + min(end - b * bs, bs))
+        step.cu_seqlens_q.append(step.cu_seqlens_q[-1] + n)
+        step.cu_seqlens_k.append(step.cu_seqlens_k[-1] + end)
+        step.context_lens.append(end)
+    return step
+
 
 class ModelRunner:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, tp: "TPGroup | None" = None):
+        """Build this rank's shard of the model (all of it without `tp`) and its KV cache."""
         self.config = config
-        self.device = torch.device(config.device)
+        self.tp = tp
+        self.device = torch.device("cuda", tp.rank if tp else 0) if config.device == "cuda" else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.block_size = config.kvcache_block_size
         cfg = config.hf_config
         builder = model_class(cfg)
@@ -27,7 +69,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.torch_dtype)
-        with torch.device(self.device):
+        with torch.device(self.device), tensor_parallel(tp.device_group if tp else None):
             self.model = builder(cfg, self.backend).eval()
         torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
@@ -35,6 +77,8 @@ class ModelRunner:
         else:
             load_model(self.model, config.model)
         self.num_kvcache_blocks = self._allocate_kv_cache()
+        if tp is not None:
+            tp.idle = True  # every rank is built: the workers now wait for steps
 
     def _make_backend(self, cfg: dict):
         num_heads = cfg["num_attention_heads"] // self.config.tensor_parallel_size
@@ -55,6 +99,8 @@ class ModelRunner:
             else:
                 budget = CPU_KVCACHE_BYTES
             num_blocks = int(budget // block_bytes)
+        if self.tp is not None:  # one block manager (rank 0's) hands out blocks for every rank's cache
+            num_blocks = self.tp.min(num_blocks)
         if num_blocks < 1:
             raise ValueError(f"no memory left for the KV cache (one block takes {block_bytes} bytes); "
                              "raise gpu_memory_utilization or lower max_model_len")
@@ -68,33 +114,22 @@ class ModelRunner:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
         return t.to(self.device, non_blocking=True)
 
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(s.block_table) for s in seqs)
-        return self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs])
+    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max(len(t) for t in tables)
+        return self._tensor([t + [0] * (width - len(t)) for t in tables])
 
-    def prepare(self, batch: ScheduledBatch):
-        """Input ids, positions and attention metadata for the new tokens of the batch."""
-        input_ids, positions, slots, cu_q, cu_k, context_lens = [], [], [], [0], [0], []
-        bs = self.block_size
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            for b in range(start // bs, (end + bs - 1) // bs):  # slots run block by block
-                first = seq.block_table[b] * bs
-                slots += range(first + max(start - b * bs, 0), first + min(end - b * bs, bs))
-            cu_q.append(cu_q[-1] + n)
-            cu_k.append(cu_k[-1] + end)
-            context_lens.append(end)
+    def prepare(self, step: StepInputs):
+        """Input ids, positions and attention metadata of the step, as tensors on this rank's device."""
         meta = AttentionMetadata(
-            is_prefill=batch.is_prefill, slot_mapping=self._tensor(slots), context_lens=self._tensor(context_lens),
-            block_tables=self._block_tables(batch.seqs))
-        if batch.is_prefill:
+            is_prefill=step.is_prefill, slot_mapping=self._tensor(step.slot_mapping),
+            context_lens=self._tensor(step.context_lens), block_tables=self._block_tables(step.block_tables))
+        if step.is_prefill:
+            cu_q, cu_k = step.cu_seqlens_q, step.cu_seqlens_k
             meta.cu_seqlens_q, meta.cu_seqlens_k = self._tensor(cu_q), self._tensor(cu_k)
-            meta.max_seqlen_q = max(batch.num_new_tokens)
-            meta.max_seqlen_k = max(context_lens)
+            meta.max_seqlen_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
+            meta.max_seqlen_k = max(step.context_lens)
             meta.has_prefix = cu_k[-1] != cu_q[-1]
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta, cu_q
+        return self._tensor(step.input_ids, torch.int64), self._tensor(step.positions, torch.int64), meta
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         """Per-row sampling settings; truncation tensors only when some row uses them."""
@@ -112,10 +147,21 @@ class ModelRunner:
             all_greedy=all(t == 0 for t in temps))
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int]:
-        """One forward step of the batch; returns the next token of each sequence."""
-        input_ids, positions, meta, cu_q = self.prepare(batch)
+    def execute(self, step: StepInputs) -> torch.Tensor | None:
+        """The forward pass, on every rank: logits [num_seqs, vocab] of each sequence's last new token
+        (None on ranks other than 0)."""
+        input_ids, positions, meta = self.prepare(step)
         hidden = self.model(input_ids, positions, meta)
-        last = self._tensor(cu_q[1:], torch.int64) - 1  # the last new token of each sequence
-        logits = self.model.compute_logits(hidden[last]).float()
+        last = self._tensor(step.cu_seqlens_q[1:], torch.int64) - 1
+        return self.model.compute_logits(hidden[last])
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int]:
+        """One step of the batch (rank 0); returns the next token of each sequence."""
+        step = step_inputs(batch, self.block_size)
+        if self.tp is not None:
+            self.tp.send_step(step)  # the other ranks run the same forward pass on their shards
+        logits = self.execute(step).float()
+        if self.tp is not None:
+            self.tp.idle = True
         return sample(logits, self.sampling_tensors(batch.seqs)).tolist()
