@@ -91,8 +91,9 @@ class Workers:
         # port 0: the OS picks a free port, so no two engines ever collide
         self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                                    timeout=STARTUP_TIMEOUT)
+        self.port = self.store.port
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=worker_main, args=(config, rank, self.store.port, os.getpid()),
+        self.procs = [ctx.Process(target=worker_main, args=(config, rank, self.port, os.getpid()),
                                   name=f"nanovllm-tp-rank{rank}", daemon=True) for rank in range(1, size)]
         self.group: TPGroup | None = None
         try:
@@ -103,10 +104,6 @@ class Workers:
         except BaseException:
             self.shutdown()
             raise
-
-    @property
-    def port(self) -> int:
-        return self.store.port
 
     def _wait_for_workers(self):
         """Wait until every worker has reached the store, failing at once if one died on the way."""
@@ -127,7 +124,7 @@ class Workers:
                 group.send_step(None)
             except Exception:  # a worker already gone: the others are stopped below
                 pass
-        for proc in self.procs:
+        for proc in (p for p in self.procs if p.pid is not None):  # skip any that never started
             proc.join(timeout=5)
             if proc.is_alive():  # in the middle of a step, or stuck: it has nothing to save
                 proc.terminate()
@@ -138,6 +135,7 @@ class Workers:
         self.procs = []
         if group is not None:
             group.close()
+        self.store = None  # the port is free once the model's layers, which hold the groups, are gone too
 
 
 def worker_main(config: Config, rank: int, port: int, parent_pid: int):
