@@ -92,6 +92,8 @@ class Workers:
         self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                                    timeout=STARTUP_TIMEOUT)
         self.port = self.store.port
+        if config.device == "cpu":
+            share_cpu_cores(size)
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=worker_main, args=(config, rank, self.port, os.getpid()),
                                   name=f"nanovllm-tp-rank{rank}", daemon=True) for rank in range(1, size)]
@@ -138,14 +140,20 @@ class Workers:
         self.store = None  # the port is free once the model's layers, which hold the groups, are gone too
 
 
+def share_cpu_cores(size: int):
+    """Give this rank its share of the cores: a spare thread spinning after its matmul would starve
+    another rank (two ranks on two cores run 10x slower with two threads each than with one)."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+
+
 def worker_main(config: Config, rank: int, port: int, parent_pid: int):
     """Ranks 1..N-1: build this rank's shard of the model, then run every step rank 0 sends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops the workers
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     if config.device == "cuda":
         torch.cuda.set_device(rank)  # before NCCL binds to the current device
-    else:  # the ranks share the CPU's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+    else:
+        share_cpu_cores(config.tensor_parallel_size)
     store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=STARTUP_TIMEOUT)
     store.add("started", 1)
     group = join_group(store, rank, config.tensor_parallel_size, config.device)
