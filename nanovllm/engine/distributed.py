@@ -9,7 +9,9 @@ alone samples. A `None` step tells the workers to stop.
 The ranks meet through a TCPStore that rank 0 opens on a port the OS picks, and the process groups
 are this engine's own objects, not torch.distributed's one global default group, so two engines
 can run side by side in one process. Workers are daemonic, ignore Ctrl-C (rank 0 stops them) and
-exit when the engine's process is gone.
+exit when the engine's process is gone. They are spawned (not forked, which CUDA forbids), so a
+script that starts an engine needs the usual `if __name__ == "__main__":`. On CPU every rank, rank
+0 included, runs cpu_count // N threads.
 """
 import os
 import signal
