@@ -2,10 +2,11 @@
 
 It owns the model, the KV cache (one pair of paged tensors per layer) and the attention backend.
 `step_inputs` is the bridge from the CPU-side block tables to the model: new tokens, their
-positions, their cache slots and the per-sequence context lengths, as plain lists; `prepare` turns
-them into tensors and one AttentionMetadata. With tensor parallelism, rank 0 sends those lists to
-the other ranks (nanovllm/engine/distributed.py) and every rank `execute`s the same step.
+positions, their cache slots and the per-sequence context lengths, as plain lists; `prepare` uploads
+them and packs one AttentionMetadata. With tensor parallelism, rank 0 sends those lists to the other
+ranks (nanovllm/engine/distributed.py) and every rank `execute`s the same step.
 """
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -14,14 +15,17 @@ import torch
 from nanovllm.attention import AttentionMetadata, get_backend
 from nanovllm.config import CPU_KVCACHE_BYTES, Config
 from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import Sequence, num_blocks_for
 from nanovllm.layers.linear import tensor_parallel
 from nanovllm.layers.sampler import SamplingTensors, sample
 from nanovllm.models import model_class
+from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.loader import init_dummy, load_model
 
 if TYPE_CHECKING:
     from nanovllm.engine.distributed import TPGroup
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -33,13 +37,20 @@ class StepInputs:
     slot_mapping: list[int]        # the cache slot of each new token
     context_lens: list[int]        # per sequence: keys after this step (cached + new)
     block_tables: list[list[int]]  # per sequence, unpadded
-    cu_seqlens_q: list[int]        # [num_seqs + 1]: sequence i owns new tokens cu_seqlens_q[i]:cu_seqlens_q[i+1]
-    cu_seqlens_k: list[int]        # [num_seqs + 1]
+    cu_seqlens_q: list[int]        # prefill: sequence i owns new tokens cu_seqlens_q[i]:cu_seqlens_q[i+1]
+    cu_seqlens_k: list[int]        # prefill: the same over keys (cached + new)
 
 
 def step_inputs(batch: ScheduledBatch, bs: int) -> StepInputs:
     """The new tokens of the batch, their positions and cache slots (block size `bs`), each sequence's context."""
-    step = StepInputs(batch.is_prefill, [], [], [], [], [s.block_table for s in batch.seqs], [0], [0])
+    tables = [s.block_table for s in batch.seqs]
+    if not batch.is_prefill:  # one new token per sequence, its last one, at position len - 1
+        lens = [len(s) for s in batch.seqs]
+        slots = [s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(batch.seqs, lens)]
+        return StepInputs(False, [s.token_ids[-1] for s in batch.seqs], [n - 1 for n in lens], slots, lens, tables,
+                          [], [])
+    # prefill: each sequence computes tokens num_computed_tokens.. (a whole prompt or a chunk of it)
+    step = StepInputs(True, [], [], [], [], tables, [0], [0])
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
         step.input_ids += seq.token_ids[start:end]
@@ -55,7 +66,7 @@ def step_inputs(batch: ScheduledBatch, bs: int) -> StepInputs:
 
 class ModelRunner:
     def __init__(self, config: Config, tp: "TPGroup | None" = None):
-        """Build this rank's shard of the model (all of it without `tp`) and its KV cache."""
+        """Build this rank's shard of the model (all of it without `tp`), its KV cache and CUDA graphs."""
         self.config = config
         self.tp = tp
         self.device = torch.device("cuda", tp.rank if tp else 0) if config.device == "cuda" else torch.device("cpu")
@@ -76,7 +87,11 @@ class ModelRunner:
             init_dummy(self.model, config.seed)
         else:
             load_model(self.model, config.model)
+        self.graphs = {}
         self.num_kvcache_blocks = self._allocate_kv_cache()
+        use_graphs = self.device.type == "cuda" and config.attn_backend != "sdpa" and not config.enforce_eager
+        if use_graphs:
+            self.capture_cudagraphs()
         if tp is not None:
             tp.idle = True  # every rank is built: the workers now wait for steps
 
@@ -86,50 +101,81 @@ class ModelRunner:
         return get_backend(self.config.attn_backend)(num_heads, num_kv_heads, self.head_dim, self.head_dim ** -0.5,
                                                      self.config)
 
+    def _bind_kv_cache(self, num_blocks: int):
+        """Allocate one [num_blocks, block_size, num_kv_heads, head_dim] K and V tensor per layer."""
+        self.kv_cache = None
+        shape = (2, len(self.attns), num_blocks, self.block_size, self.attns[0].num_kv_heads, self.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
+        for i, attn in enumerate(self.attns):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
     def _allocate_kv_cache(self) -> int:
-        """One [num_blocks, block_size, num_kv_heads, head_dim] K and V tensor per layer."""
-        attns = [m for m in self.model.modules() if hasattr(m, "k_cache")]
-        num_kv_heads = attns[0].num_kv_heads
-        block_bytes = 2 * len(attns) * self.block_size * num_kv_heads * self.head_dim * self.config.torch_dtype.itemsize
+        """Size the KV cache: what gpu_memory_utilization leaves after the weights and a warm-up pass."""
+        self.attns = [m for m in self.model.modules() if hasattr(m, "k_cache")]
+        block_bytes = (2 * len(self.attns) * self.block_size * self.attns[0].num_kv_heads * self.head_dim
+                       * self.config.torch_dtype.itemsize)
         num_blocks = self.config.num_kvcache_blocks
-        if num_blocks < 0:
-            if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                budget = free - total * (1 - self.config.gpu_memory_utilization)
-            else:
-                budget = CPU_KVCACHE_BYTES
-            num_blocks = int(budget // block_bytes)
+        if num_blocks < 0 and self.device.type == "cpu":
+            num_blocks = CPU_KVCACHE_BYTES // block_bytes
+        elif num_blocks < 0:
+            self._bind_kv_cache(1)  # the warm-up only needs somewhere to write
+            self._warmup()
+            self.kv_cache = None
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            stats = torch.cuda.memory_stats(self.device)
+            transient = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+            num_blocks = int((total * self.config.gpu_memory_utilization - (total - free) - transient) // block_bytes)
         if self.tp is not None:  # one block manager (rank 0's) hands out blocks for every rank's cache
             num_blocks = self.tp.min(num_blocks)
         if num_blocks < 1:
-            raise ValueError(f"no memory left for the KV cache (one block takes {block_bytes} bytes); "
-                             "raise gpu_memory_utilization or lower max_model_len")
-        shape = (2, len(attns), num_blocks, self.block_size, num_kv_heads, self.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
-        for i, attn in enumerate(attns):
-            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            raise ValueError(f"no memory left for the KV cache (a block takes {block_bytes / 2**20:.1f} MiB): "
+                             "raise gpu_memory_utilization or lower max_num_batched_tokens / max_num_seqs")
+        self._bind_kv_cache(num_blocks)
+        if self.tp is None or self.tp.rank == 0:
+            logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB", num_blocks, self.block_size,
+                        num_blocks * self.block_size, num_blocks * block_bytes / 2**30)
         return num_blocks
+
+    @torch.inference_mode()
+    def _warmup(self):
+        """Run the largest prefill and the largest sampling batch once, so their peak memory is known
+        (every rank runs it on its own, meeting the others in the model's collectives)."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        length = min(self.config.max_model_len, self.config.max_num_batched_tokens)
+        num_seqs = max(1, min(self.config.max_num_batched_tokens // length, self.config.max_num_seqs))
+        seqs = [Sequence([0] * length, SamplingParams(), self.block_size) for _ in range(num_seqs)]
+        for seq in seqs:
+            seq.block_table = [0] * num_blocks_for(length, self.block_size)  # every token writes into block 0
+        self.execute(step_inputs(ScheduledBatch(seqs, [length] * num_seqs, is_prefill=True), self.block_size))
+        logits = torch.randn(self.config.max_num_seqs, self.config.hf_config["vocab_size"], device=self.device)
+        params = [SamplingParams(temperature=1.0, top_p=0.9)] * self.config.max_num_seqs
+        sample(logits, self.sampling_tensors([Sequence([0], p, self.block_size) for p in params]))
 
     def _tensor(self, data, dtype=torch.int32) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
         return t.to(self.device, non_blocking=True)
 
-    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
-        width = max(len(t) for t in tables)
-        return self._tensor([t + [0] * (width - len(t)) for t in tables])
+    def _upload(self, *parts: list[int]) -> list[torch.Tensor]:
+        """Copy several int lists to the device in one transfer; one int32 tensor per list."""
+        flat = self._tensor([x for part in parts for x in part])
+        return list(flat.split([len(part) for part in parts]))
 
     def prepare(self, step: StepInputs):
-        """Input ids, positions and attention metadata of the step, as tensors on this rank's device."""
-        meta = AttentionMetadata(
-            is_prefill=step.is_prefill, slot_mapping=self._tensor(step.slot_mapping),
-            context_lens=self._tensor(step.context_lens), block_tables=self._block_tables(step.block_tables))
-        if step.is_prefill:
-            cu_q, cu_k = step.cu_seqlens_q, step.cu_seqlens_k
-            meta.cu_seqlens_q, meta.cu_seqlens_k = self._tensor(cu_q), self._tensor(cu_k)
-            meta.max_seqlen_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
-            meta.max_seqlen_k = max(step.context_lens)
-            meta.has_prefix = cu_k[-1] != cu_q[-1]
-        return self._tensor(step.input_ids, torch.int64), self._tensor(step.positions, torch.int64), meta
+        """Input ids, positions and attention metadata of the step, uploaded to this rank's device in one copy."""
+        num_seqs, width = len(step.block_tables), max(len(t) for t in step.block_tables)
+        tables = [b for t in step.block_tables for b in t + [0] * (width - len(t))]
+        if not step.is_prefill:
+            ids, pos, slot_mapping, ctx, tables = self._upload(
+                step.input_ids, step.positions, step.slot_mapping, step.context_lens, tables)
+            return ids, pos, AttentionMetadata(False, slot_mapping, ctx, tables.view(num_seqs, width))
+        cu_q, cu_k = step.cu_seqlens_q, step.cu_seqlens_k
+        ids, pos, slot_mapping, cu_q_t, cu_k_t, ctx, tables = self._upload(
+            step.input_ids, step.positions, step.slot_mapping, cu_q, cu_k, step.context_lens, tables)
+        max_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
+        meta = AttentionMetadata(True, slot_mapping, ctx, tables.view(num_seqs, width), cu_q_t, cu_k_t,
+                                 max_q, max(step.context_lens), has_prefix=cu_k[-1] != cu_q[-1])
+        return ids, pos, meta
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         """Per-row sampling settings; truncation tensors only when some row uses them."""
@@ -147,21 +193,75 @@ class ModelRunner:
             all_greedy=all(t == 0 for t in temps))
 
     @torch.inference_mode()
-    def execute(self, step: StepInputs) -> torch.Tensor | None:
-        """The forward pass, on every rank: logits [num_seqs, vocab] of each sequence's last new token
-        (None on ranks other than 0)."""
-        input_ids, positions, meta = self.prepare(step)
-        hidden = self.model(input_ids, positions, meta)
-        last = self._tensor(step.cu_seqlens_q[1:], torch.int64) - 1
-        return self.model.compute_logits(hidden[last])
+    def capture_cudagraphs(self):
+        """CUDA graphs for decode: one per batch size of a ladder up to max_num_seqs, sharing one memory pool.
+
+        A decode step is dozens of small kernels per layer; replaying a graph launches them all at
+        once. The graph reads its inputs from static tensors that `run` fills before each replay.
+        """
+        max_bs = self.config.max_num_seqs
+        max_blocks = num_blocks_for(self.config.max_model_len, self.block_size)
+        hidden_size = self.config.hf_config["hidden_size"]
+        self.graph_sizes = sorted({1, 2, 4, 8, *range(16, max_bs, 16), max_bs})
+        g = self.graph_vars = dict(
+            input_ids=torch.zeros(max_bs, dtype=torch.int32, device=self.device),
+            positions=torch.zeros(max_bs, dtype=torch.int32, device=self.device),
+            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32, device=self.device),
+            context_lens=torch.zeros(max_bs, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=self.device),
+            hidden=torch.zeros(max_bs, hidden_size, dtype=self.config.torch_dtype, device=self.device))
+        self.graphs, pool = {}, None
+        for bs in reversed(self.graph_sizes):
+            meta = AttentionMetadata(False, g["slot_mapping"][:bs], g["context_lens"][:bs], g["block_tables"][:bs])
+            g["hidden"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs], meta)  # warm up (Triton autotune, workspaces)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                g["hidden"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs], meta)
+            pool = pool or graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize()
+
+    def _replay(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        """Copy a decode batch into the static inputs, pad it to the next captured size, replay."""
+        n = input_ids.size(0)
+        bs = next(b for b in self.graph_sizes if b >= n)
+        g = self.graph_vars
+        g["input_ids"][:n] = input_ids
+        g["positions"][:n] = positions
+        g["slot_mapping"][n:bs] = -1  # padding rows write nowhere and attend to nothing
+        g["slot_mapping"][:n] = meta.slot_mapping
+        g["context_lens"][n:bs] = 0
+        g["context_lens"][:n] = meta.context_lens
+        g["block_tables"][:n, :meta.block_tables.size(1)] = meta.block_tables
+        self.graphs[bs].replay()
+        return g["hidden"][:n]
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int]:
-        """One step of the batch (rank 0); returns the next token of each sequence."""
+    def execute(self, step: StepInputs) -> torch.Tensor | None:
+        """The forward pass, on every rank: float32 logits [num_seqs, vocab] at each sequence's last new
+        token (None on ranks other than 0)."""
+        input_ids, positions, meta = self.prepare(step)
+        if not step.is_prefill and self.graphs:
+            hidden = self._replay(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
+        if step.is_prefill:
+            hidden = hidden[meta.cu_seqlens_q[1:] - 1]  # the last new token of each sequence
+        logits = self.model.compute_logits(hidden)
+        return None if logits is None else logits.float()
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """One forward step of the batch (rank 0): float32 logits [num_seqs, vocab]."""
         step = step_inputs(batch, self.block_size)
         if self.tp is not None:
             self.tp.send_step(step)  # the other ranks run the same forward pass on their shards
-        logits = self.execute(step).float()
+        logits = self.execute(step)
         if self.tp is not None:
             self.tp.idle = True
-        return sample(logits, self.sampling_tensors(batch.seqs)).tolist()
+        return logits
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int]:
+        """One forward step of the batch; returns the next token of each sequence."""
+        return sample(self.compute_logits(batch), self.sampling_tensors(batch.seqs)).tolist()
