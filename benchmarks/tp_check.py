@@ -1,11 +1,14 @@
 """Greedy tokens with tensor_parallel_size=N against one rank, on random Qwen3-0.6B-shaped weights.
 
-    python benchmarks/tp_check.py                 # on 2 GPUs: NCCL, float32
+    python benchmarks/tp_check.py                 # on 2 GPUs: NCCL, float32, sdpa attention
     python benchmarks/tp_check.py --tiny          # a tiny model on CPU (gloo), as a smoke test
+    python benchmarks/tp_check.py --dtype bfloat16 --attn-backend flash   # CUDA graphs with NCCL inside
 
 The weights are drawn once, saved as safetensors and loaded by both runs, so the two engines hold
 the same model (load_format="dummy" would draw each rank's shard on its own). float32 by default:
-random bf16 weights give nearly flat logits, where a different summation order flips greedy picks.
+random bf16 weights give nearly flat logits, where a different summation order flips greedy picks,
+so in bf16 expect most tokens, not all, to agree. float32 needs a backend that takes it (sdpa;
+flash-attn does not).
 """
 import argparse
 import os
@@ -52,7 +55,7 @@ def main():
     parser.add_argument("--model-dir", default="/tmp/nanovllm-tp-check", help="where the random weights are saved")
     parser.add_argument("--tp", type=int, default=2, help="tensor_parallel_size to compare with 1")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--attn-backend", default="", help="'' lets the engine pick")
+    parser.add_argument("--attn-backend", default="sdpa", help="sdpa takes float32; '' lets the engine pick")
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--max-tokens", type=int, default=32)
