@@ -3,7 +3,8 @@
 By default it reproduces nano-vllm's published workload exactly: random.seed(0); 256 sequences of
 randint(100, 1024) random token ids in [0, 10000]; max_tokens=randint(100, 1024); temperature 0.6;
 ignore_eos; max_model_len 4096; one warm-up generate; throughput = sum(max_tokens) / wall time.
-Without --model it runs the Qwen3-0.6B architecture shipped in benchmarks/ with random weights.
+Without --model it runs an architecture shipped in benchmarks/ (--arch: Qwen3-0.6B, Qwen3-8B) with
+random weights; `--tp 2` splits it over 2 GPUs.
 `--table` runs the batch x length grid (output length = input length) and reports decode tokens/s.
 """
 import argparse
@@ -16,12 +17,12 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 
-QWEN3_0_6B = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks", "Qwen3-0.6B")
+ARCHS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks")
 
 
 def make_llm(args, backend: str, **options) -> LLM:
     weights = dict(load_format="dummy", skip_tokenizer_init=True) if args.model is None else {}
-    return LLM(args.model or QWEN3_0_6B, attn_backend=backend, enforce_eager=args.enforce_eager,
+    return LLM(args.model or os.path.join(ARCHS, args.arch), attn_backend=backend, enforce_eager=args.enforce_eager,
                tensor_parallel_size=args.tp, **weights, **options)
 
 
@@ -54,7 +55,7 @@ def decode_throughput(llm: LLM, batch: int, length: int) -> float:
 
 
 def release(llm):
-    del llm
+    llm.shutdown()  # stops tensor-parallel workers too, freeing their GPUs
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
@@ -62,7 +63,9 @@ def release(llm):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--attn-backend", nargs="+", default=["flash"], choices=["flash", "triton", "sdpa"])
-    parser.add_argument("--model", default=None, help="a Hugging Face model dir (default: random Qwen3-0.6B)")
+    parser.add_argument("--model", default=None, help="a Hugging Face model dir (default: random weights of --arch)")
+    parser.add_argument("--arch", default="Qwen3-0.6B", choices=["Qwen3-0.6B", "Qwen3-8B"],
+                        help="the random-weight architecture, from benchmarks/")
     parser.add_argument("--table", action="store_true", help="batch x length decode grid instead of the default")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
@@ -70,7 +73,7 @@ def main():
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     args = parser.parse_args()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    model = args.model or "Qwen3-0.6B (random weights)"
+    model = args.model or f"{args.arch} (random weights)"
     rows = []
     for backend in args.attn_backend:
         if not args.table:

@@ -53,6 +53,7 @@ class Config:
         self._check_ranges()
         if not self.device:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self._check_tensor_parallel()
         if not self.attn_backend:
             self.attn_backend = "sdpa" if self.device == "cpu" else "flash" if _has_flash_attn() else "triton"
         if self.dtype == "auto":
@@ -83,6 +84,21 @@ class Config:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.num_kvcache_blocks == 0 or self.num_kvcache_blocks < -1:
             raise ValueError(f"num_kvcache_blocks={self.num_kvcache_blocks} must be >= 1 (or -1: automatic)")
+
+    def _check_tensor_parallel(self):
+        """Every rank needs a GPU of its own and an equal share of the heads and of the MLP."""
+        tp, cfg = self.tensor_parallel_size, self.hf_config
+        if self.device == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={tp} but only {torch.cuda.device_count()} GPU(s) are visible")
+        heads = cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        if heads % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={heads}")
+        if kv_heads % tp and tp % kv_heads:  # fewer KV heads than ranks: each is replicated on tp // kv_heads ranks
+            raise ValueError(f"tensor_parallel_size={tp} must divide num_key_value_heads={kv_heads} or be a "
+                             "multiple of it")
+        if cfg["intermediate_size"] % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size={cfg['intermediate_size']}")
 
 
 def _has_flash_attn() -> bool:

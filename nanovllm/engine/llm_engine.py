@@ -1,16 +1,21 @@
 """The engine loop: admit requests, then `step()`: schedule, run the model, record the tokens.
 
 `add_request` validates a request and refuses one that could never fit; `step` runs one
-iteration of continuous batching and returns the requests that finished in it.
+iteration of continuous batching and returns the requests that finished in it. With
+tensor_parallel_size > 1 the engine also starts one worker process per extra rank; `shutdown()`
+(or leaving a `with LLM(...)` block, or the engine being collected, or the program's exit) stops them.
 """
+import gc
 import json
 import os
 import time
+import weakref
 
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.distributed import Workers
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, num_blocks_for
@@ -20,17 +25,36 @@ from nanovllm.sampling_params import SamplingParams
 class LLMEngine:
     def __init__(self, model: str, **options):
         self.config = config = Config.from_options(model, **options)
-        if config.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: only 1 is supported for now")
         self.tokenizer = None
         if not config.skip_tokenizer_init:
             from transformers import AutoTokenizer
             self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.eos_token_ids = self._eos_token_ids()
-        self.model_runner = ModelRunner(config)
+        self.workers, self._stop_workers = None, None
+        if config.tensor_parallel_size > 1:
+            self.workers = Workers(config)  # ranks 1..N-1, each in a process of its own
+            self._stop_workers = weakref.finalize(self, self.workers.shutdown)  # also when collected or at exit
+        try:
+            self.model_runner = ModelRunner(config, self.workers.group if self.workers else None)
+        except BaseException:
+            self.shutdown()
+            raise
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
+
+    def shutdown(self):
+        """Stop the tensor-parallel workers and free the model, its KV cache and the rendezvous port."""
+        if self._stop_workers is not None:
+            self._stop_workers()  # runs Workers.shutdown once
+        self.model_runner = None
+        gc.collect()  # the model's modules hold reference cycles: free their memory (and process groups) now
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
 
     def _eos_token_ids(self) -> set[int]:
         ids = [self.config.hf_config.get("eos_token_id")]
@@ -81,6 +105,8 @@ class LLMEngine:
     def step(self) -> tuple[list[dict], int]:
         """One iteration: returns the outputs of requests finished now and the number of tokens processed
         (positive for a prefill step, negative for a decode step: the progress bar's two speeds; 0 when idle)."""
+        if self.model_runner is None:
+            raise RuntimeError("the engine was shut down")
         if not self.scheduler.has_unfinished():
             return [], 0
         batch = self.scheduler.schedule()

@@ -1,10 +1,14 @@
 """The model runner: turns a scheduled batch into tensors, runs the model, samples.
 
 It owns the model, the KV cache (one pair of paged tensors per layer) and the attention backend.
-`prepare` is the bridge from the CPU-side block tables to the GPU: new tokens, their positions,
-their cache slots and the per-sequence context lengths, packed into one AttentionMetadata.
+`step_inputs` is the bridge from the CPU-side block tables to the model: new tokens, their
+positions, their cache slots and the per-sequence context lengths, as plain lists; `prepare` uploads
+them and packs one AttentionMetadata. With tensor parallelism, rank 0 sends those lists to the other
+ranks (nanovllm/engine/distributed.py) and every rank `execute`s the same step.
 """
 import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,18 +16,62 @@ from nanovllm.attention import AttentionMetadata, get_backend
 from nanovllm.config import CPU_KVCACHE_BYTES, Config
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence, num_blocks_for
+from nanovllm.layers.linear import tensor_parallel
 from nanovllm.layers.sampler import SamplingTensors, sample
 from nanovllm.models import model_class
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.loader import init_dummy, load_model
 
+if TYPE_CHECKING:
+    from nanovllm.engine.distributed import TPGroup
+
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class StepInputs:
+    """One forward pass as plain lists: all that a tensor-parallel worker is sent each step."""
+    is_prefill: bool
+    input_ids: list[int]           # the new tokens of all sequences, packed
+    positions: list[int]
+    slot_mapping: list[int]        # the cache slot of each new token
+    context_lens: list[int]        # per sequence: keys after this step (cached + new)
+    block_tables: list[list[int]]  # per sequence, unpadded
+    cu_seqlens_q: list[int]        # prefill: sequence i owns new tokens cu_seqlens_q[i]:cu_seqlens_q[i+1]
+    cu_seqlens_k: list[int]        # prefill: the same over keys (cached + new)
+
+
+def step_inputs(batch: ScheduledBatch, bs: int) -> StepInputs:
+    """The new tokens of the batch, their positions and cache slots (block size `bs`), each sequence's context."""
+    tables = [s.block_table for s in batch.seqs]
+    if not batch.is_prefill:  # one new token per sequence, its last one, at position len - 1
+        lens = [len(s) for s in batch.seqs]
+        slots = [s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(batch.seqs, lens)]
+        return StepInputs(False, [s.token_ids[-1] for s in batch.seqs], [n - 1 for n in lens], slots, lens, tables,
+                          [], [])
+    # prefill: each sequence computes tokens num_computed_tokens.. (a whole prompt or a chunk of it)
+    step = StepInputs(True, [], [], [], [], tables, [0], [0])
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        step.input_ids += seq.token_ids[start:end]
+        step.positions += range(start, end)
+        for b in range(start // bs, (end + bs - 1) // bs):  # slots run block by block
+            first = seq.block_table[b] * bs
+            step.slot_mapping += range(first + max(start - b * bs, 0), first + min(end - b * bs, bs))
+        step.cu_seqlens_q.append(step.cu_seqlens_q[-1] + n)
+        step.cu_seqlens_k.append(step.cu_seqlens_k[-1] + end)
+        step.context_lens.append(end)
+    return step
+
+
 class ModelRunner:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, tp: "TPGroup | None" = None):
+        """Build this rank's shard of the model (all of it without `tp`), its KV cache and CUDA graphs."""
         self.config = config
-        self.device = torch.device(config.device)
+        self.tp = tp
+        self.device = torch.device("cuda", tp.rank if tp else 0) if config.device == "cuda" else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.block_size = config.kvcache_block_size
         cfg = config.hf_config
         builder = model_class(cfg)
@@ -32,7 +80,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.torch_dtype)
-        with torch.device(self.device):
+        with torch.device(self.device), tensor_parallel(tp.device_group if tp else None):
             self.model = builder(cfg, self.backend).eval()
         torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
@@ -44,6 +92,8 @@ class ModelRunner:
         use_graphs = self.device.type == "cuda" and config.attn_backend != "sdpa" and not config.enforce_eager
         if use_graphs:
             self.capture_cudagraphs()
+        if tp is not None:
+            tp.idle = True  # every rank is built: the workers now wait for steps
 
     def _make_backend(self, cfg: dict):
         num_heads = cfg["num_attention_heads"] // self.config.tensor_parallel_size
@@ -76,24 +126,28 @@ class ModelRunner:
             stats = torch.cuda.memory_stats(self.device)
             transient = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
             num_blocks = int((total * self.config.gpu_memory_utilization - (total - free) - transient) // block_bytes)
+        if self.tp is not None:  # one block manager (rank 0's) hands out blocks for every rank's cache
+            num_blocks = self.tp.min(num_blocks)
         if num_blocks < 1:
             raise ValueError(f"no memory left for the KV cache (a block takes {block_bytes / 2**20:.1f} MiB): "
                              "raise gpu_memory_utilization or lower max_num_batched_tokens / max_num_seqs")
         self._bind_kv_cache(num_blocks)
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB", num_blocks, self.block_size,
-                    num_blocks * self.block_size, num_blocks * block_bytes / 2**30)
+        if self.tp is None or self.tp.rank == 0:
+            logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB", num_blocks, self.block_size,
+                        num_blocks * self.block_size, num_blocks * block_bytes / 2**30)
         return num_blocks
 
     @torch.inference_mode()
     def _warmup(self):
-        """Run the largest prefill and the largest sampling batch once, so their peak memory is known."""
+        """Run the largest prefill and the largest sampling batch once, so their peak memory is known
+        (every rank runs it on its own, meeting the others in the model's collectives)."""
         torch.cuda.reset_peak_memory_stats(self.device)
         length = min(self.config.max_model_len, self.config.max_num_batched_tokens)
         num_seqs = max(1, min(self.config.max_num_batched_tokens // length, self.config.max_num_seqs))
         seqs = [Sequence([0] * length, SamplingParams(), self.block_size) for _ in range(num_seqs)]
         for seq in seqs:
             seq.block_table = [0] * num_blocks_for(length, self.block_size)  # every token writes into block 0
-        self.run(ScheduledBatch(seqs, [length] * num_seqs, is_prefill=True))
+        self.execute(step_inputs(ScheduledBatch(seqs, [length] * num_seqs, is_prefill=True), self.block_size))
         logits = torch.randn(self.config.max_num_seqs, self.config.hf_config["vocab_size"], device=self.device)
         params = [SamplingParams(temperature=1.0, top_p=0.9)] * self.config.max_num_seqs
         sample(logits, self.sampling_tensors([Sequence([0], p, self.block_size) for p in params]))
@@ -107,45 +161,21 @@ class ModelRunner:
         flat = self._tensor([x for part in parts for x in part])
         return list(flat.split([len(part) for part in parts]))
 
-    @staticmethod
-    def _padded_block_tables(seqs: list[Sequence]) -> tuple[list[int], int]:
-        width = max(len(s.block_table) for s in seqs)
-        return [b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))], width
-
-    def prepare(self, batch: ScheduledBatch):
-        """Input ids, positions and attention metadata for the new tokens of the batch."""
-        return self.prepare_prefill(batch) if batch.is_prefill else self.prepare_decode(batch.seqs)
-
-    def prepare_prefill(self, batch: ScheduledBatch):
-        """Prefill: each sequence computes tokens num_computed_tokens.. (a whole prompt or a chunk of it)."""
-        input_ids, positions, slots, cu_q, cu_k, context_lens = [], [], [], [0], [0], []
-        bs = self.block_size
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            for b in range(start // bs, (end + bs - 1) // bs):  # slots run block by block
-                first = seq.block_table[b] * bs
-                slots += range(first + max(start - b * bs, 0), first + min(end - b * bs, bs))
-            cu_q.append(cu_q[-1] + n)
-            cu_k.append(cu_k[-1] + end)
-            context_lens.append(end)
-        tables, width = self._padded_block_tables(batch.seqs)
+    def prepare(self, step: StepInputs):
+        """Input ids, positions and attention metadata of the step, uploaded to this rank's device in one copy."""
+        num_seqs, width = len(step.block_tables), max(len(t) for t in step.block_tables)
+        tables = [b for t in step.block_tables for b in t + [0] * (width - len(t))]
+        if not step.is_prefill:
+            ids, pos, slot_mapping, ctx, tables = self._upload(
+                step.input_ids, step.positions, step.slot_mapping, step.context_lens, tables)
+            return ids, pos, AttentionMetadata(False, slot_mapping, ctx, tables.view(num_seqs, width))
+        cu_q, cu_k = step.cu_seqlens_q, step.cu_seqlens_k
         ids, pos, slot_mapping, cu_q_t, cu_k_t, ctx, tables = self._upload(
-            input_ids, positions, slots, cu_q, cu_k, context_lens, tables)
-        meta = AttentionMetadata(True, slot_mapping, ctx, tables.view(len(batch.seqs), width), cu_q_t, cu_k_t,
-                                 max(batch.num_new_tokens), max(context_lens), has_prefix=cu_k[-1] != cu_q[-1])
+            step.input_ids, step.positions, step.slot_mapping, cu_q, cu_k, step.context_lens, tables)
+        max_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
+        meta = AttentionMetadata(True, slot_mapping, ctx, tables.view(num_seqs, width), cu_q_t, cu_k_t,
+                                 max_q, max(step.context_lens), has_prefix=cu_k[-1] != cu_q[-1])
         return ids, pos, meta
-
-    def prepare_decode(self, seqs: list[Sequence]):
-        """Decode: one new token per sequence, its last one, at position len - 1."""
-        bs = self.block_size
-        lens = [len(s) for s in seqs]
-        slots = [s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, lens)]
-        tables, width = self._padded_block_tables(seqs)
-        ids, pos, slot_mapping, ctx, tables = self._upload(
-            [s.token_ids[-1] for s in seqs], [n - 1 for n in lens], slots, lens, tables)
-        return ids, pos, AttentionMetadata(False, slot_mapping, ctx, tables.view(len(seqs), width))
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         """Per-row sampling settings; truncation tensors only when some row uses them."""
@@ -207,16 +237,29 @@ class ModelRunner:
         return g["hidden"][:n]
 
     @torch.inference_mode()
-    def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
-        """One forward step of the batch: float32 logits [num_seqs, vocab] at each sequence's last new token."""
-        input_ids, positions, meta = self.prepare(batch)
-        if not batch.is_prefill and self.graphs:
+    def execute(self, step: StepInputs) -> torch.Tensor | None:
+        """The forward pass, on every rank: float32 logits [num_seqs, vocab] at each sequence's last new
+        token (None on ranks other than 0)."""
+        input_ids, positions, meta = self.prepare(step)
+        if not step.is_prefill and self.graphs:
             hidden = self._replay(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
-        if batch.is_prefill:
+        if step.is_prefill:
             hidden = hidden[meta.cu_seqlens_q[1:] - 1]  # the last new token of each sequence
-        return self.model.compute_logits(hidden).float()
+        logits = self.model.compute_logits(hidden)
+        return None if logits is None else logits.float()
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """One forward step of the batch (rank 0): float32 logits [num_seqs, vocab]."""
+        step = step_inputs(batch, self.block_size)
+        if self.tp is not None:
+            self.tp.send_step(step)  # the other ranks run the same forward pass on their shards
+        logits = self.execute(step)
+        if self.tp is not None:
+            self.tp.idle = True
+        return logits
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int]:

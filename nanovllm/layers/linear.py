@@ -4,21 +4,46 @@ A column-parallel layer splits its output features across ranks (no communicatio
 row-parallel layer splits its input features and sums the partial outputs with an all-reduce.
 Each parameter carries a `weight_loader` that copies this rank's shard out of the full
 checkpoint tensor, so packed projections (qkv, gate_up) load through one small loop.
+The group a layer is split across is the one given to `tensor_parallel(...)` while it is built:
+each engine has its own group, so two engines can share a process.
 """
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 
+_building_group: ContextVar[dist.ProcessGroup | None] = ContextVar("tp_group", default=None)
+
+
+@contextmanager
+def tensor_parallel(group: dist.ProcessGroup | None):
+    """Layers built inside this block split their weights across `group`'s ranks (None: one rank)."""
+    token = _building_group.set(group)
+    try:
+        yield
+    finally:
+        _building_group.reset(token)
+
+
+def tp_group() -> dist.ProcessGroup | None:
+    """The tensor-parallel group of the layers being built (None: not split)."""
+    return _building_group.get()
+
+
 def tp_rank_size() -> tuple[int, int]:
-    """This process's tensor-parallel rank and the number of ranks (0, 1 without torch.distributed)."""
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    """This rank and the number of ranks of the layers being built ((0, 1) when not split)."""
+    group = _building_group.get()
+    return (group.rank(), group.size()) if group is not None else (0, 1)
 
 
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
+        self.tp_group = tp_group()
         self.tp_rank, self.tp_size = tp_rank_size()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -105,5 +130,5 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         if self.tp_size > 1:
-            dist.all_reduce(y)
+            dist.all_reduce(y, group=self.tp_group)
         return y

@@ -45,7 +45,9 @@ def load_model(model: nn.Module, path: str):
 
 @torch.no_grad()
 def init_dummy(model: nn.Module, seed: int):
-    """Random weights for benchmarks: small normal matrices, unit norms, zero biases."""
+    """Random weights for benchmarks: small normal matrices, unit norms, zero biases.
+
+    Each tensor-parallel rank draws its own shard, so the weights differ from those of one rank."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, p in model.named_parameters():
         if p.dim() > 1:
