@@ -79,14 +79,15 @@ class ModelRunner:
         return shape[2]
 
     def move_blocks(self, batch: ScheduledBatch):
-        """The step's block copies, each kind one batched index copy over all layers: swap out, swap in, then
-        copy-on-write (a swapped-in block may be copied; a freed block may be reused by the later kinds)."""
-        if batch.swap_out:
-            gpu, cpu = map(list, zip(*batch.swap_out))
-            self.cpu_cache[:, :, cpu] = self.kv_cache[:, :, gpu].cpu()
+        """The step's block copies, each kind one batched index copy over all layers, in the order the scheduler
+        made them: swap in (its CPU blocks may be reused by a swap out), swap out (its GPU blocks by a copy),
+        copy-on-write (its source may be a swapped-in block)."""
         if batch.swap_in:
             cpu, gpu = map(list, zip(*batch.swap_in))
             self.kv_cache[:, :, gpu] = self.cpu_cache[:, :, cpu].to(self.device)
+        if batch.swap_out:
+            gpu, cpu = map(list, zip(*batch.swap_out))
+            self.cpu_cache[:, :, cpu] = self.kv_cache[:, :, gpu].cpu()
         if batch.copies:
             src, dst = map(list, zip(*batch.copies))
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]

@@ -22,13 +22,13 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 class ScheduledBatch:
     """What one step runs: the sequences, how many new tokens each computes and how many tokens each samples
     (n for the prompt of an n-sample request: its other samples fork from it), and the block copies to make
-    before the forward, in this order: swap out, swap in, copy-on-write."""
+    before the forward, in the order they were made: swap in, swap out, copy-on-write."""
     seqs: list[Sequence]
     num_new_tokens: list[int]
     is_prefill: bool
     num_samples: list[int] = field(default_factory=list)          # empty: one per sequence
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (cpu block, gpu block)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
     copies: list[tuple[int, int]] = field(default_factory=list)    # copy-on-write (src block, dst block)
 
     def __post_init__(self):
@@ -55,10 +55,10 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         """Swap in the groups that fit, then pick a prefill if any waiting sequence fits, else a decode."""
-        self._swap_out, self._swap_in, self._copies = [], [], []  # filled while scheduling
+        self._swap_in, self._swap_out, self._copies = [], [], []  # filled while scheduling, in this order
         self._schedule_swap_in()
         batch = self._schedule_prefill() or self._schedule_decode()
-        batch.swap_out, batch.swap_in, batch.copies = self._swap_out, self._swap_in, self._copies
+        batch.swap_in, batch.swap_out, batch.copies = self._swap_in, self._swap_out, self._copies
         return batch
 
     def _schedule_swap_in(self):
