@@ -5,15 +5,20 @@ preemption, and the attention backend; before each forward it makes the step's b
 `prepare` is the bridge from the CPU-side block tables to the GPU: new tokens, their positions,
 their cache slots and the per-sequence context lengths, packed into one AttentionMetadata.
 """
+import logging
+
 import torch
 
 from nanovllm.attention import AttentionMetadata, get_backend
 from nanovllm.config import CPU_KVCACHE_BYTES, Config
 from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import Sequence, num_blocks_for
 from nanovllm.layers.sampler import SamplingTensors, logprobs, sample
 from nanovllm.models import model_class
+from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.loader import init_dummy, load_model
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -35,8 +40,12 @@ class ModelRunner:
             init_dummy(self.model, config.seed)
         else:
             load_model(self.model, config.model)
+        self.graphs = {}
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.num_cpu_blocks = self._allocate_swap_space()
+        use_graphs = self.device.type == "cuda" and config.attn_backend != "sdpa" and not config.enforce_eager
+        if use_graphs:
+            self.capture_cudagraphs()
 
     def _make_backend(self, cfg: dict):
         num_heads = cfg["num_attention_heads"] // self.config.tensor_parallel_size
@@ -44,26 +53,37 @@ class ModelRunner:
         return get_backend(self.config.attn_backend)(num_heads, num_kv_heads, self.head_dim, self.head_dim ** -0.5,
                                                      self.config)
 
-    def _allocate_kv_cache(self) -> int:
-        """One [num_blocks, block_size, num_kv_heads, head_dim] K and V tensor per layer."""
-        attns = [m for m in self.model.modules() if hasattr(m, "k_cache")]
-        num_kv_heads = attns[0].num_kv_heads
-        block_bytes = 2 * len(attns) * self.block_size * num_kv_heads * self.head_dim * self.config.torch_dtype.itemsize
-        num_blocks = self.config.num_kvcache_blocks
-        if num_blocks < 0:
-            if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                budget = free - total * (1 - self.config.gpu_memory_utilization)
-            else:
-                budget = CPU_KVCACHE_BYTES
-            num_blocks = int(budget // block_bytes)
-        if num_blocks < 1:
-            raise ValueError(f"no memory left for the KV cache (one block takes {block_bytes} bytes); "
-                             "raise gpu_memory_utilization or lower max_model_len")
-        shape = (2, len(attns), num_blocks, self.block_size, num_kv_heads, self.head_dim)
+    def _bind_kv_cache(self, num_blocks: int):
+        """Allocate one [num_blocks, block_size, num_kv_heads, head_dim] K and V tensor per layer."""
+        self.kv_cache = None
+        shape = (2, len(self.attns), num_blocks, self.block_size, self.attns[0].num_kv_heads, self.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
-        for i, attn in enumerate(attns):
+        for i, attn in enumerate(self.attns):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    def _allocate_kv_cache(self) -> int:
+        """Size the KV cache: what gpu_memory_utilization leaves after the weights and a warm-up pass."""
+        self.attns = [m for m in self.model.modules() if hasattr(m, "k_cache")]
+        block_bytes = (2 * len(self.attns) * self.block_size * self.attns[0].num_kv_heads * self.head_dim
+                       * self.config.torch_dtype.itemsize)
+        num_blocks = self.config.num_kvcache_blocks
+        if num_blocks < 0 and self.device.type == "cpu":
+            num_blocks = CPU_KVCACHE_BYTES // block_bytes
+        elif num_blocks < 0:
+            self._bind_kv_cache(1)  # the warm-up only needs somewhere to write
+            self._warmup()
+            self.kv_cache = None
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            stats = torch.cuda.memory_stats(self.device)
+            transient = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+            num_blocks = int((total * self.config.gpu_memory_utilization - (total - free) - transient) // block_bytes)
+        if num_blocks < 1:
+            raise ValueError(f"no memory left for the KV cache (a block takes {block_bytes / 2**20:.1f} MiB): "
+                             "raise gpu_memory_utilization or lower max_num_batched_tokens / max_num_seqs")
+        self._bind_kv_cache(num_blocks)
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB", num_blocks, self.block_size,
+                    num_blocks * self.block_size, num_blocks * block_bytes / 2**30)
         return num_blocks
 
     def _allocate_swap_space(self) -> int:
@@ -92,16 +112,40 @@ class ModelRunner:
             src, dst = map(list, zip(*batch.copies))
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
+    @torch.inference_mode()
+    def _warmup(self):
+        """Run the largest prefill and the largest sampling batch once, so their peak memory is known."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        length = min(self.config.max_model_len, self.config.max_num_batched_tokens)
+        num_seqs = max(1, min(self.config.max_num_batched_tokens // length, self.config.max_num_seqs))
+        seqs = [Sequence([0] * length, SamplingParams(), self.block_size) for _ in range(num_seqs)]
+        for seq in seqs:
+            seq.block_table = [0] * num_blocks_for(length, self.block_size)  # every token writes into block 0
+        self.run(ScheduledBatch(seqs, [length] * num_seqs, is_prefill=True))
+        logits = torch.randn(self.config.max_num_seqs, self.config.hf_config["vocab_size"], device=self.device)
+        params = [SamplingParams(temperature=1.0, top_p=0.9)] * self.config.max_num_seqs
+        sample(logits, self.sampling_tensors([(Sequence([0], p, self.block_size), 0) for p in params]))
+
     def _tensor(self, data, dtype=torch.int32) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
         return t.to(self.device, non_blocking=True)
 
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _upload(self, *parts: list[int]) -> list[torch.Tensor]:
+        """Copy several int lists to the device in one transfer; one int32 tensor per list."""
+        flat = self._tensor([x for part in parts for x in part])
+        return list(flat.split([len(part) for part in parts]))
+
+    @staticmethod
+    def _padded_block_tables(seqs: list[Sequence]) -> tuple[list[int], int]:
         width = max(len(s.block_table) for s in seqs)
-        return self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs])
+        return [b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))], width
 
     def prepare(self, batch: ScheduledBatch):
         """Input ids, positions and attention metadata for the new tokens of the batch."""
+        return self.prepare_prefill(batch) if batch.is_prefill else self.prepare_decode(batch.seqs)
+
+    def prepare_prefill(self, batch: ScheduledBatch):
+        """Prefill: each sequence computes tokens num_computed_tokens.. (a whole prompt or a chunk of it)."""
         input_ids, positions, slots, cu_q, cu_k, context_lens = [], [], [], [0], [0], []
         bs = self.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -114,15 +158,22 @@ class ModelRunner:
             cu_q.append(cu_q[-1] + n)
             cu_k.append(cu_k[-1] + end)
             context_lens.append(end)
-        meta = AttentionMetadata(
-            is_prefill=batch.is_prefill, slot_mapping=self._tensor(slots), context_lens=self._tensor(context_lens),
-            block_tables=self._block_tables(batch.seqs))
-        if batch.is_prefill:
-            meta.cu_seqlens_q, meta.cu_seqlens_k = self._tensor(cu_q), self._tensor(cu_k)
-            meta.max_seqlen_q = max(batch.num_new_tokens)
-            meta.max_seqlen_k = max(context_lens)
-            meta.has_prefix = cu_k[-1] != cu_q[-1]
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta, cu_q
+        tables, width = self._padded_block_tables(batch.seqs)
+        ids, pos, slot_mapping, cu_q_t, cu_k_t, ctx, tables = self._upload(
+            input_ids, positions, slots, cu_q, cu_k, context_lens, tables)
+        meta = AttentionMetadata(True, slot_mapping, ctx, tables.view(len(batch.seqs), width), cu_q_t, cu_k_t,
+                                 max(batch.num_new_tokens), max(context_lens), has_prefix=cu_k[-1] != cu_q[-1])
+        return ids, pos, meta
+
+    def prepare_decode(self, seqs: list[Sequence]):
+        """Decode: one new token per sequence, its last one, at position len - 1."""
+        bs = self.block_size
+        lens = [len(s) for s in seqs]
+        slots = [s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, lens)]
+        tables, width = self._padded_block_tables(seqs)
+        ids, pos, slot_mapping, ctx, tables = self._upload(
+            [s.token_ids[-1] for s in seqs], [n - 1 for n in lens], slots, lens, tables)
+        return ids, pos, AttentionMetadata(False, slot_mapping, ctx, tables.view(len(seqs), width))
 
     def sampling_tensors(self, rows: list[tuple[Sequence, int]]) -> SamplingTensors:
         """Per-row sampling settings of (sequence, sample index) rows; truncation tensors only when some row uses them."""
@@ -140,14 +191,67 @@ class ModelRunner:
             all_greedy=all(t == 0 for t in temps))
 
     @torch.inference_mode()
+    def capture_cudagraphs(self):
+        """CUDA graphs for decode: one per batch size of a ladder up to max_num_seqs, sharing one memory pool.
+
+        A decode step is dozens of small kernels per layer; replaying a graph launches them all at
+        once. The graph reads its inputs from static tensors that `run` fills before each replay.
+        """
+        max_bs = self.config.max_num_seqs
+        max_blocks = num_blocks_for(self.config.max_model_len, self.block_size)
+        hidden_size = self.config.hf_config["hidden_size"]
+        self.graph_sizes = sorted({1, 2, 4, 8, *range(16, max_bs, 16), max_bs})
+        g = self.graph_vars = dict(
+            input_ids=torch.zeros(max_bs, dtype=torch.int32, device=self.device),
+            positions=torch.zeros(max_bs, dtype=torch.int32, device=self.device),
+            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32, device=self.device),
+            context_lens=torch.zeros(max_bs, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=self.device),
+            hidden=torch.zeros(max_bs, hidden_size, dtype=self.config.torch_dtype, device=self.device))
+        self.graphs, pool = {}, None
+        for bs in reversed(self.graph_sizes):
+            meta = AttentionMetadata(False, g["slot_mapping"][:bs], g["context_lens"][:bs], g["block_tables"][:bs])
+            g["hidden"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs], meta)  # warm up (Triton autotune, workspaces)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                g["hidden"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs], meta)
+            pool = pool or graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize()
+
+    def _replay(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        """Copy a decode batch into the static inputs, pad it to the next captured size, replay."""
+        n = input_ids.size(0)
+        bs = next(b for b in self.graph_sizes if b >= n)
+        g = self.graph_vars
+        g["input_ids"][:n] = input_ids
+        g["positions"][:n] = positions
+        g["slot_mapping"][n:bs] = -1  # padding rows write nowhere and attend to nothing
+        g["slot_mapping"][:n] = meta.slot_mapping
+        g["context_lens"][n:bs] = 0
+        g["context_lens"][:n] = meta.context_lens
+        g["block_tables"][:n, :meta.block_tables.size(1)] = meta.block_tables
+        self.graphs[bs].replay()
+        return g["hidden"][:n]
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """One forward step of the batch: float32 logits [num_seqs, vocab] at each sequence's last new token."""
+        self.move_blocks(batch)
+        input_ids, positions, meta = self.prepare(batch)
+        if not batch.is_prefill and self.graphs:
+            hidden = self._replay(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
+        if batch.is_prefill:
+            hidden = hidden[meta.cu_seqlens_q[1:] - 1]  # the last new token of each sequence
+        return self.model.compute_logits(hidden).float()
+
+    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[int], list | None]:
         """One forward step of the batch; returns the next token of each sample row and, when some sequence asks,
         their log-probabilities (a row per sequence, n rows for the prompt of a new n-sample request)."""
-        self.move_blocks(batch)
-        input_ids, positions, meta, cu_q = self.prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
-        last = self._tensor(cu_q[1:], torch.int64) - 1  # the last new token of each sequence
-        logits = self.model.compute_logits(hidden[last]).float()
+        logits = self.compute_logits(batch)
         rows = [(seq, seq.sample_index + j) for seq, k in zip(batch.seqs, batch.num_samples) for j in range(k)]
         if len(rows) > len(batch.seqs):  # the n samples of a new request draw from its one prompt row
             logits = logits.repeat_interleave(self._tensor(batch.num_samples, torch.int64), dim=0)

@@ -3,8 +3,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.fused import fused
+
+
+@fused
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, -1)
+    return F.silu(gate) * up
+
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, -1)
-        return F.silu(gate) * up
+        return silu_and_mul(x)

@@ -4,6 +4,8 @@ import math
 import torch
 from torch import nn
 
+from nanovllm.layers.fused import fused
+
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Llama 3's rope scaling: slow down low frequencies, keep high ones, blend in between."""
@@ -35,8 +37,13 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """Rotate q [N, Hq, D] and k [N, Hkv, D] by the angles of their positions."""
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [N, 1, D / 2] each
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return apply_rotary(positions, q, k, self.cos_sin)
+
+
+@fused
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor):
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [N, 1, D / 2] each
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

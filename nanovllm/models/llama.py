@@ -16,14 +16,14 @@ from nanovllm.layers.rotary import RotaryEmbedding, rope_config
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: dict, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, cfg: dict, backend: AttentionBackend, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         hidden, self.head_dim = cfg["hidden_size"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, cfg["num_attention_heads"],
                                           cfg["num_key_value_heads"], bias=qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(cfg["num_attention_heads"] * self.head_dim, hidden)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg["max_position_embeddings"], *rope_config(cfg))
+        self.rotary_emb = rotary
         self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"]) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"]) if qk_norm else None
         self.backend = backend
@@ -54,9 +54,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: dict, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, cfg: dict, backend: AttentionBackend, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
         super().__init__()
-        self.self_attn = Attention(cfg, backend, qkv_bias, qk_norm)
+        self.self_attn = Attention(cfg, backend, rotary, qkv_bias, qk_norm)
         self.mlp = MLP(cfg["hidden_size"], cfg["intermediate_size"])
         self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
@@ -75,7 +75,10 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: dict, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, qkv_bias, qk_norm) for _ in range(cfg["num_hidden_layers"]))
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        rotary = RotaryEmbedding(head_dim, cfg["max_position_embeddings"], *rope_config(cfg))  # one table for all layers
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, rotary, qkv_bias, qk_norm)
+                                    for _ in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

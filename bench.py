@@ -1,0 +1,105 @@
+"""Throughput benchmark: `python bench.py --attn-backend flash triton sdpa [--table] [--model PATH]`.
+
+By default it reproduces nano-vllm's published workload exactly: random.seed(0); 256 sequences of
+randint(100, 1024) random token ids in [0, 10000]; max_tokens=randint(100, 1024); temperature 0.6;
+ignore_eos; max_model_len 4096; one warm-up generate; throughput = sum(max_tokens) / wall time.
+Without --model it runs the Qwen3-0.6B architecture shipped in benchmarks/ with random weights.
+`--table` runs the batch x length grid (output length = input length) and reports decode tokens/s.
+"""
+import argparse
+import gc
+import os
+import time
+from random import randint, seed
+
+import torch
+
+from nanovllm import LLM, SamplingParams
+
+QWEN3_0_6B = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks", "Qwen3-0.6B")
+
+
+def make_llm(args, backend: str, **options) -> LLM:
+    weights = dict(load_format="dummy", skip_tokenizer_init=True) if args.model is None else {}
+    return LLM(args.model or QWEN3_0_6B, attn_backend=backend, enforce_eager=args.enforce_eager,
+               tensor_parallel_size=args.tp, **weights, **options)
+
+
+def nano_vllm_workload(llm: LLM) -> tuple[int, float]:
+    """nano-vllm's bench.py, step for step: returns (output tokens, seconds)."""
+    seed(0)
+    num_seqs, max_input_len, max_output_len = 256, 1024, 1024
+    prompts = [[randint(0, 10000) for _ in range(randint(100, max_input_len))] for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, max_output_len))
+              for _ in range(num_seqs)]
+    llm.generate([[1, 2, 3]], SamplingParams(), use_tqdm=False)  # warm-up
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return sum(p.max_tokens for p in params), time.perf_counter() - start
+
+
+def decode_throughput(llm: LLM, batch: int, length: int) -> float:
+    """Decode tokens/s of `batch` random prompts of `length` tokens, generating `length` tokens each."""
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=length)
+    for _ in range(batch):
+        llm.add_request([randint(0, 10000) for _ in range(length)], params)
+    decode_tokens, decode_seconds = 0, 0.0
+    while not llm.is_finished():
+        start = time.perf_counter()
+        _, num_tokens = llm.step()
+        if num_tokens < 0:
+            decode_tokens, decode_seconds = decode_tokens - num_tokens, decode_seconds + time.perf_counter() - start
+    return decode_tokens / decode_seconds
+
+
+def release(llm):
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--attn-backend", nargs="+", default=["flash"], choices=["flash", "triton", "sdpa"])
+    parser.add_argument("--model", default=None, help="a Hugging Face model dir (default: random Qwen3-0.6B)")
+    parser.add_argument("--table", action="store_true", help="batch x length decode grid instead of the default")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    args = parser.parse_args()
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    model = args.model or "Qwen3-0.6B (random weights)"
+    rows = []
+    for backend in args.attn_backend:
+        if not args.table:
+            llm = make_llm(args, backend, max_model_len=4096)
+            tokens, seconds = nano_vllm_workload(llm)
+            rows.append(f"| {backend} | {tokens} | {seconds:.2f} | {tokens / seconds:,.0f} |")
+        else:
+            llm = make_llm(args, backend, max_model_len=2 * max(args.lengths), max_num_seqs=max(args.batches))
+            cells = []
+            for length in args.lengths:
+                for batch in args.batches:
+                    try:
+                        cells.append(f"{decode_throughput(llm, batch, length):,.0f}")
+                    except torch.OutOfMemoryError:
+                        cells.append("OOM")
+                        release(llm)
+                        llm = make_llm(args, backend, max_model_len=2 * max(args.lengths), max_num_seqs=max(args.batches))
+            rows.append(f"| {backend} | " + " | ".join(cells) + " |")
+        release(llm)
+        print(rows[-1], flush=True)
+    print(f"\n{model}, {device}, tensor_parallel_size={args.tp}" + ("" if args.table else ", nano-vllm's workload"))
+    if args.table:
+        header = [f"b{b} L{n}" for n in args.lengths for b in args.batches]
+        print("decode tokens/s, batch b, prompt length L = output length L\n")
+        print("| backend | " + " | ".join(header) + " |\n" + "|---" * (len(header) + 1) + "|")
+    else:
+        print("| backend | output tokens | seconds | tokens/s |\n|---|---|---|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

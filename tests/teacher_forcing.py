@@ -1,0 +1,46 @@
+"""Teacher-forced logits through the real engine path (scheduler, chunked prefill, prefix cache, CUDA graphs).
+
+Sampling is replaced by the next token of a fixed sequence, so the logits of two implementations
+can be compared position by position even where greedy decoding of near-flat logits would diverge.
+"""
+import torch
+
+from nanovllm import SamplingParams
+
+
+def engine_logits(llm, sequences: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:
+    """For each sequence, the logits [len - prompt_len, vocab] predicting tokens prompt_len.. of it."""
+    seqs = []
+    for tokens, p in zip(sequences, prompt_lens):
+        seq = llm.make_sequence(tokens[:p], SamplingParams(max_tokens=len(tokens) - p, ignore_eos=True))
+        llm.scheduler.add(seq)
+        seqs.append((seq, tokens))
+    full = {seq.seq_id: tokens for seq, tokens in seqs}
+    rows = {seq.seq_id: [] for seq, _ in seqs}
+    while llm.scheduler.has_unfinished():
+        batch = llm.scheduler.schedule()
+        logits = llm.model_runner.compute_logits(batch).cpu()
+        forced = [full[s.seq_id][min(s.num_computed_tokens + n, len(full[s.seq_id]) - 1)]
+                  for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        got = llm.scheduler.postprocess(batch, forced)
+        for i, s in enumerate(batch.seqs):
+            if s in got:
+                rows[s.seq_id].append(logits[i])
+        llm.scheduler.finish([s for s in got if llm._check_finished(s)])
+    return [torch.stack(rows[seq.seq_id]) for seq, _ in seqs]
+
+
+def hf_logits(model, sequences: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:
+    """The same logits from a transformers model, one full forward per sequence."""
+    out = []
+    with torch.no_grad():
+        for tokens, p in zip(sequences, prompt_lens):
+            ids = torch.tensor([tokens], device=model.device)
+            out.append(model(ids).logits[0, p - 1:len(tokens) - 1].float().cpu())
+    return out
+
+
+def rel_error(a: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    """||a - ref|| / ||ref|| over all positions of all sequences."""
+    a, ref = torch.cat(a).double(), torch.cat(ref).double()
+    return ((a - ref).norm() / ref.norm()).item()

@@ -1,0 +1,102 @@
+"""GPU correctness (skipped without CUDA): teacher-forced logits of every backend against transformers.
+
+Random bf16 weights give near-flat logits, so greedy tokens of two correct bf16 implementations
+often differ. Instead, nanovllm's logits must stay within 1.5x the relative error that
+transformers' own bf16 model has against a float32 transformers reference, in the same run.
+"""
+import gc
+import importlib.util
+import random
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from tests.teacher_forcing import engine_logits, hf_logits, rel_error
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+BACKENDS = ["triton", "sdpa"] + (["flash"] if importlib.util.find_spec("flash_attn") else [])
+
+
+@pytest.fixture(autouse=True)
+def free_gpu_memory():
+    """Each engine sizes its KV cache from free memory: drop the previous test's engine first."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    """Random weights with the Qwen3-0.6B architecture, saved as a transformers checkpoint."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                      rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg)
+    path = tmp_path_factory.mktemp("qwen3")
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def workload():
+    """Mixed lengths, some over a 256-token block; the prefix of the last two is shared."""
+    rng = random.Random(0)
+    lens = [(5, 24), (100, 16), (255, 20), (257, 12), (600, 24), (1000, 16)]
+    seqs = [[rng.randrange(151936) for _ in range(p + d)] for p, d in lens]
+    seqs.append(seqs[-1][:700] + [rng.randrange(151936) for _ in range(320)])  # shares 700 tokens (2 blocks)
+    return seqs, [p for p, _ in lens] + [1000]
+
+
+@pytest.fixture(scope="module")
+def references(qwen3_dir, workload):
+    from transformers import AutoModelForCausalLM
+    out = {}
+    for name, dtype in [("fp32", torch.float32), ("bf16", torch.bfloat16)]:
+        model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=dtype, attn_implementation="sdpa").cuda()
+        out[name] = hf_logits(model, *workload)
+        del model
+        torch.cuda.empty_cache()
+    out["hf_bf16_error"] = rel_error(out["bf16"], out["fp32"])
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["plain", "prefix_hit", "chunked"])
+def test_teacher_forced_logits_bf16(qwen3_dir, workload, references, backend, mode):
+    options = dict(max_num_batched_tokens=300) if mode == "chunked" else {}
+    llm = LLM(qwen3_dir, attn_backend=backend, dtype="bfloat16", skip_tokenizer_init=True,
+              gpu_memory_utilization=0.5, max_num_seqs=16, max_model_len=2048, **options)
+    if mode == "prefix_hit":  # run once to fill the prefix cache, then measure the cached run
+        engine_logits(llm, *workload)
+    logits = engine_logits(llm, *workload)
+    error, bound = rel_error(logits, references["fp32"]), 1.5 * references["hf_bf16_error"]
+    print(f"{backend} {mode}: nanovllm {error:.5f}, transformers bf16 {references['hf_bf16_error']:.5f}")
+    assert error <= bound, f"{backend} {mode}: relative error {error:.5f} > 1.5 x transformers bf16 {bound / 1.5:.5f}"
+    if mode == "prefix_hit":
+        assert llm.block_manager.cached_blocks, "the second run should have found cached blocks"
+
+
+@pytest.mark.parametrize("backend", ["triton", "sdpa"])
+def test_greedy_float32_matches_transformers(qwen3_dir, workload, backend):
+    from transformers import AutoModelForCausalLM
+    prompts = [s[:p] for s, p in zip(*workload)][:4]
+    model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).cuda()
+    expected = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+    del model
+    llm = LLM(qwen3_dir, attn_backend=backend, dtype="float32", skip_tokenizer_init=True,
+              gpu_memory_utilization=0.5, max_num_seqs=8, max_model_len=2048)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert [o["token_ids"] for o in outs] == expected
+
+
+def test_kv_cache_respects_memory_fraction(qwen3_dir):
+    llm = LLM(qwen3_dir, attn_backend="triton", skip_tokenizer_init=True, gpu_memory_utilization=0.5,
+              max_model_len=4096)
+    llm.generate([[1] * 1000] * 64, SamplingParams(max_tokens=64, ignore_eos=True), use_tqdm=False)
+    free, total = torch.cuda.mem_get_info()
+    assert llm.model_runner.num_kvcache_blocks > 0
+    assert total - free <= 0.5 * total * 1.02, f"{(total - free) / 2**30:.1f} GiB used of {total / 2**30:.1f}"
