@@ -26,6 +26,8 @@ class Config:
     dtype: str = "auto"               # "auto": the checkpoint's dtype on cuda, float32 on cpu
     load_format: str = "safetensors"  # or "dummy": random weights from config.json alone
     enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"  # or "swap": preempted blocks move to a CPU pool and come back
+    swap_space: float = 4.0           # GiB of CPU memory for swapped-out blocks (used only in swap mode)
     skip_tokenizer_init: bool = False
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -53,7 +55,8 @@ class Config:
         self._check_ranges()
         if not self.device:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self._check_tensor_parallel()
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
         if not self.attn_backend:
             self.attn_backend = "sdpa" if self.device == "cpu" else "flash" if _has_flash_attn() else "triton"
         if self.dtype == "auto":
@@ -66,7 +69,8 @@ class Config:
 
     def _check_choices(self):
         choices = {"attn_backend": ("", *BACKENDS), "device": ("", "cuda", "cpu"),
-                   "dtype": ("auto", *DTYPES), "load_format": ("safetensors", "dummy")}
+                   "dtype": ("auto", *DTYPES), "load_format": ("safetensors", "dummy"),
+                   "preemption_mode": ("recompute", "swap")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
@@ -82,6 +86,8 @@ class Config:
             raise ValueError(f"kvcache_block_size={bs} must be a power of two")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.preemption_mode == "swap" and not self.swap_space > 0:
+            raise ValueError(f"swap_space={self.swap_space} must be > 0 GiB with preemption_mode='swap'")
         if self.num_kvcache_blocks == 0 or self.num_kvcache_blocks < -1:
             raise ValueError(f"num_kvcache_blocks={self.num_kvcache_blocks} must be >= 1 (or -1: automatic)")
 

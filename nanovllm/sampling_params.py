@@ -1,4 +1,5 @@
-"""How one request is decoded: temperature, truncation (top-k, top-p, min-p), stopping and seeding."""
+"""How one request is decoded: temperature, truncation (top-k, top-p, min-p), stopping, seeding,
+the number of parallel samples and the log-probabilities to report."""
 from dataclasses import dataclass, field
 
 
@@ -13,6 +14,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)  # strings that end the text (not included in it)
     seed: int | None = None       # the same seed gives the same tokens, whatever else is in the batch
+    n: int = 1                    # parallel samples of the prompt; they share the prompt's KV blocks
+    logprobs: int | None = None   # per token: the chosen token's log-probability and the top-`logprobs` ones
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -27,6 +30,10 @@ class SamplingParams:
             raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens} must be an integer >= 1")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n={self.n} must be an integer >= 1")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise ValueError(f"logprobs={self.logprobs} must be None or an integer >= 0")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids={self.stop_token_ids} must be non-negative integers")
         if any(not isinstance(s, str) or not s for s in self.stop):

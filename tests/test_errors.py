@@ -104,7 +104,7 @@ def test_unknown_option(llm, france, smollm2_dir):
     (dict(kvcache_block_size=24), "kvcache_block_size"), (dict(max_num_seqs=0), "max_num_seqs"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"), (dict(dtype="float8"), "dtype"),
     (dict(num_kvcache_blocks=0), "num_kvcache_blocks"), (dict(load_format="pt"), "load_format"),
-    (dict(attn_backend="paged"), "attn_backend"), (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+    (dict(attn_backend="paged"), "attn_backend"), (dict(tensor_parallel_size=0), "tensor_parallel_size"),
 ])
 def test_bad_option_values(llm, france, tiny_path, options, name):
     with pytest.raises(ValueError, match=f"^{name}="):

@@ -7,14 +7,19 @@ with the same prefix reuses it. The hash is only a hint: a hit is confirmed by c
 block's tokens and the identity of the prefix before them (`content_id`), so a hash collision
 never returns wrong K/V. A freed block keeps its contents and stays findable until it is taken
 for new data; free blocks are taken least recently freed first. Every operation is O(1) per block.
+
+Memory sharing (the paper's section 4.4): `fork` gives a child sequence its parent's blocks by
+raising their reference counts; a sequence about to write into a block that others still share
+gets its own copy first (copy-on-write), and the (source, destination) pair goes to the model
+runner. Swap preemption moves a group's blocks to a CPU pool with its own free list and back.
 """
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from itertools import count
 
 import numpy as np
 import xxhash
 
-from nanovllm.engine.sequence import Sequence, num_blocks_for
+from nanovllm.engine.sequence import Sequence, SequenceStatus, num_blocks_for
 
 
 def hash_block(token_ids: list[int], prev_hash: int | None) -> int:
@@ -46,13 +51,15 @@ class Block:
 class BlockManager:
     """Allocates, shares and frees KV-cache blocks; finds cached prefixes."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_cpu_blocks: int = 0):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
         self.cached_blocks: dict[int, int] = {}  # hash -> block id
         self._content_ids = count()
+        self.cpu_ref_counts = [0] * num_cpu_blocks  # the swap pool: reference counts and a free list
+        self.free_cpu_blocks = list(range(num_cpu_blocks))
 
     @property
     def num_blocks(self) -> int:
@@ -112,14 +119,41 @@ class BlockManager:
             seq.num_cached_tokens = seq.num_computed_tokens
         return True
 
-    def num_blocks_to_append(self, seq: Sequence) -> int:
-        """New blocks the sequence needs before the K/V of all its tokens fit."""
-        return max(0, num_blocks_for(seq.num_tokens, self.block_size) - len(seq.block_table))
+    def _ref_count(self, seq: Sequence, block_id: int) -> int:
+        return self.cpu_ref_counts[block_id] if seq.status == SequenceStatus.SWAPPED else self.blocks[block_id].ref_count
 
-    def append_blocks(self, seq: Sequence):
-        """Grow the block table so that every token of the sequence has a slot."""
-        for _ in range(self.num_blocks_to_append(seq)):
+    def num_blocks_to_append(self, *seqs: Sequence) -> int:
+        """New blocks the sequences (one, or a group) need before their next tokens fit: fresh tail blocks, plus
+        copies of a shared block they write into (k of its r holders writing make min(k, r - 1) copies)."""
+        new, writers = 0, Counter()
+        for seq in seqs:
+            if seq.num_computed_tokens == seq.num_tokens:
+                continue  # a beam waiting for beam search writes nothing
+            new += max(0, num_blocks_for(seq.num_tokens, self.block_size) - len(seq.block_table))
+            i = seq.num_computed_tokens // self.block_size  # the block the next token goes into
+            if i < len(seq.block_table):
+                writers[seq.block_table[i]] += 1
+        return new + sum(min(k, self._ref_count(seqs[0], b) - 1) for b, k in writers.items())
+
+    def append_blocks(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Give every token of the sequence a slot it may write: copy-on-write the block the next token goes into
+        if others share it, then grow the table. Returns the (src, dst) block copies to make before the forward."""
+        copies = []
+        i = seq.num_computed_tokens // self.block_size
+        if i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1:
+            src = seq.block_table[i]
+            self.blocks[src].ref_count -= 1
+            seq.block_table[i] = self._take_free_block()
+            copies.append((src, seq.block_table[i]))
+        for _ in range(num_blocks_for(seq.num_tokens, self.block_size) - len(seq.block_table)):
             seq.block_table.append(self._take_free_block())
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence):
+        """The paper's fork: the child shares every block of the parent (reference counts up, nothing copied)."""
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
 
     def cache_computed_blocks(self, seq: Sequence):
         """Register the sequence's newly computed full blocks in the prefix cache."""
@@ -147,3 +181,42 @@ class BlockManager:
                 self.free_blocks[block_id] = None
         seq.block_table = []
         seq.num_hashed_blocks = 0
+
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        return len({b for seq in seqs for b in seq.block_table}) <= len(self.free_cpu_blocks)
+
+    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Move a group's blocks to the CPU pool (a block shared in the group moves once); returns (gpu, cpu) pairs."""
+        to_cpu = {}
+        for seq in seqs:
+            table = []
+            for block_id in seq.block_table:
+                if block_id not in to_cpu:
+                    to_cpu[block_id] = self.free_cpu_blocks.pop()
+                table.append(to_cpu[block_id])
+                self.cpu_ref_counts[to_cpu[block_id]] += 1
+            self.free(seq)
+            seq.block_table = table
+        return list(to_cpu.items())
+
+    def can_swap_in(self, seqs: list[Sequence], num_reserved: int = 0) -> bool:
+        """Whether the group's blocks and the blocks its next step appends fit beside num_reserved other blocks."""
+        num_blocks = len({b for seq in seqs for b in seq.block_table})
+        return num_blocks + self.num_blocks_to_append(*seqs) + num_reserved <= self.num_free_blocks
+
+    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Bring a swapped group's blocks back to free GPU blocks, sharing restored; returns (cpu, gpu) pairs."""
+        to_gpu = {}
+        for seq in seqs:
+            table = []
+            for cpu_id in seq.block_table:
+                if cpu_id in to_gpu:
+                    self.blocks[to_gpu[cpu_id]].ref_count += 1
+                else:
+                    to_gpu[cpu_id] = self._take_free_block()
+                table.append(to_gpu[cpu_id])
+                self.cpu_ref_counts[cpu_id] -= 1
+                if self.cpu_ref_counts[cpu_id] == 0:
+                    self.free_cpu_blocks.append(cpu_id)
+            seq.block_table = table
+        return list(to_gpu.items())

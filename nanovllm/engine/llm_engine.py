@@ -1,8 +1,9 @@
 """The engine loop: admit requests, then `step()`: schedule, run the model, record the tokens.
 
 `add_request` validates a request and refuses one that could never fit; `step` runs one
-iteration of continuous batching and returns the requests that finished in it. With
-tensor_parallel_size > 1 the engine also starts one worker process per extra rank; `shutdown()`
+iteration of continuous batching and returns the requests that finished in it. `beam_search`
+drives the same steps, advancing every prompt's beams whenever they all have their candidates.
+With tensor_parallel_size > 1 the engine also starts one worker process per extra rank; `shutdown()`
 (or leaving a `with LLM(...)` block, or the engine being collected, or the program's exit) stops them.
 """
 import gc
@@ -14,6 +15,7 @@ import weakref
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
+from nanovllm.engine.beam_search import BeamSearch
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.distributed import Workers
 from nanovllm.engine.model_runner import ModelRunner
@@ -40,7 +42,7 @@ class LLMEngine:
             self.shutdown()
             raise
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.kvcache_block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, self.model_runner.num_cpu_blocks)
         self.scheduler = Scheduler(config, self.block_manager)
 
     def shutdown(self):
@@ -69,8 +71,8 @@ class LLMEngine:
             flat.update(i if isinstance(i, list) else [i])
         return flat - {None}
 
-    def make_sequence(self, prompt: str | list[int], params: SamplingParams | None) -> Sequence:
-        """Validate one request and build its sequence (nothing is queued yet)."""
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams | None, beam_width: int = 0) -> Sequence:
+        """Validate one request and build its (root) sequence (nothing is queued yet)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -90,10 +92,17 @@ class LLMEngine:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        need = num_blocks_for(min(len(prompt) + params.max_tokens, max_len), self.config.kvcache_block_size)
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs={params.logprobs} is more than the vocabulary size {vocab}")
+        width = max(params.n, beam_width)  # sequences the request may run at once
+        if width > self.config.max_num_seqs:
+            raise ValueError(f"the request runs {width} sequences at once (n or beam_width) but "
+                             f"max_num_seqs={self.config.max_num_seqs}")
+        # the worst case: preempted by recomputation, its sequences share nothing but full prompt blocks
+        need = width * num_blocks_for(min(len(prompt) + params.max_tokens, max_len), self.config.kvcache_block_size)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"the request needs {need} KV-cache blocks but the whole cache has "
-                             f"{self.block_manager.num_blocks}; lower max_tokens or enlarge the cache")
+                             f"{self.block_manager.num_blocks}; lower max_tokens (or n) or enlarge the cache")
         return Sequence(prompt, params, self.config.kvcache_block_size)
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> int:
@@ -110,12 +119,13 @@ class LLMEngine:
         if not self.scheduler.has_unfinished():
             return [], 0
         batch = self.scheduler.schedule()
-        token_ids = self.model_runner.run(batch)
-        sampled = self.scheduler.postprocess(batch, token_ids)
-        finished = [seq for seq in sampled if self._check_finished(seq)]
+        token_ids, logprobs = self.model_runner.run(batch)
+        sampled = self.scheduler.postprocess(batch, token_ids, logprobs)
+        finished = [seq for seq in sampled if not seq.beam_width and self._check_finished(seq)]
         self.scheduler.finish(finished)
         num_tokens = sum(batch.num_new_tokens) if batch.is_prefill else -len(batch.seqs)
-        return [self.output(seq) for seq in finished], num_tokens
+        roots = {seq.group[0].seq_id: seq.group[0] for seq in finished}  # a request ends with its last sample
+        return [self.output(r) for r in roots.values() if all(s.is_finished for s in r.group)], num_tokens
 
     def _check_finished(self, seq: Sequence) -> bool:
         p, token = seq.params, seq.token_ids[-1]
@@ -133,17 +143,26 @@ class LLMEngine:
         hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
         return min(hits) if hits else None
 
-    def output(self, seq: Sequence) -> dict:
-        """The result of a finished request."""
-        text = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
-            if seq.params.stop:
-                cut = self._stop_string_at(seq)
-                text = text if cut is None else text[:cut]
-        return {"request_id": seq.seq_id, "text": text, "token_ids": seq.completion_token_ids,
-                "finish_reason": seq.finish_reason, "num_cached_tokens": seq.num_cached_tokens,
-                "prompt_token_ids": seq.token_ids[:seq.num_prompt_tokens]}
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of generated tokens ("" without a tokenizer)."""
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def completion(self, seq: Sequence) -> dict:
+        """One generated sample: text, token ids, finish reason, and log-probabilities when asked."""
+        text = self.decode(seq.completion_token_ids)
+        if seq.params.stop and self.tokenizer is not None:
+            cut = self._stop_string_at(seq)
+            text = text if cut is None else text[:cut]
+        out = {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason}
+        if seq.params.logprobs is not None:
+            out["logprobs"], out["cumulative_logprob"] = seq.logprobs, seq.cumulative_logprob
+        return out
+
+    def output(self, root: Sequence) -> dict:
+        """The result of a finished request: its first sample at the top level, all n under "outputs"."""
+        samples = [self.completion(seq) for seq in root.group]
+        return {"request_id": root.seq_id, **samples[0], "outputs": samples, "num_cached_tokens": root.num_cached_tokens,
+                "prompt_token_ids": root.token_ids[:root.num_prompt_tokens]}
 
     def is_finished(self) -> bool:
         return not self.scheduler.has_unfinished()
@@ -175,3 +194,24 @@ class LLMEngine:
                     bar.update(1)
         bar.close()
         return outputs
+
+    def beam_search(self, prompts: list[str] | list[list[int]], beam_width: int, max_tokens: int = 16,
+                    length_penalty: float = 1.0) -> list[list[dict]]:
+        """Beam search per prompt: the beams best first, each with text, token_ids, cumulative_logprob, score and
+        finish_reason (rules: nanovllm.engine.beam_search). Beam width 1 is greedy decoding."""
+        if not isinstance(beam_width, int) or beam_width < 1:
+            raise ValueError(f"beam_width={beam_width} must be an integer >= 1")
+        vocab = self.config.hf_config["vocab_size"]
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=min(2 * beam_width, vocab))
+        roots = [self.make_sequence(p, params, beam_width) for p in prompts]  # all valid before any runs
+        searches = [BeamSearch(root, beam_width, max(1, min(max_tokens, self.config.max_model_len - root.num_tokens)),
+                               length_penalty, self.eos_token_ids) for root in roots]
+        for root in roots:
+            self.scheduler.add(root)
+        while not all(search.done for search in searches):
+            self.step()
+            for search in searches:
+                if not search.done and search.ready():
+                    search.advance(self.scheduler)
+        return [[{"text": self.decode(h.token_ids), "token_ids": h.token_ids, "cumulative_logprob": h.cumulative_logprob,
+                  "score": h.score, "finish_reason": h.finish_reason} for h in search.finished] for search in searches]

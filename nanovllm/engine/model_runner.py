@@ -1,13 +1,14 @@
 """The model runner: turns a scheduled batch into tensors, runs the model, samples.
 
-It owns the model, the KV cache (one pair of paged tensors per layer) and the attention backend.
-`step_inputs` is the bridge from the CPU-side block tables to the model: new tokens, their
-positions, their cache slots and the per-sequence context lengths, as plain lists; `prepare` uploads
-them and packs one AttentionMetadata. With tensor parallelism, rank 0 sends those lists to the other
-ranks (nanovllm/engine/distributed.py) and every rank `execute`s the same step.
+It owns the model, the KV cache (one pair of paged tensors per layer), the CPU block pool of swap
+preemption, and the attention backend. `step_inputs` is the bridge from the CPU-side block tables
+to the model: new tokens, their positions, their cache slots, the per-sequence context lengths and
+the step's block copies, as plain lists; `prepare` uploads them and packs one AttentionMetadata.
+With tensor parallelism, rank 0 sends those lists to the other ranks (nanovllm/engine/distributed.py)
+and every rank `execute`s the same step.
 """
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,7 +18,7 @@ from nanovllm.config import CPU_KVCACHE_BYTES, Config
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence, num_blocks_for
 from nanovllm.layers.linear import tensor_parallel
-from nanovllm.layers.sampler import SamplingTensors, sample
+from nanovllm.layers.sampler import SamplingTensors, logprobs, sample
 from nanovllm.models import model_class
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.loader import init_dummy, load_model
@@ -39,6 +40,9 @@ class StepInputs:
     block_tables: list[list[int]]  # per sequence, unpadded
     cu_seqlens_q: list[int]        # prefill: sequence i owns new tokens cu_seqlens_q[i]:cu_seqlens_q[i+1]
     cu_seqlens_k: list[int]        # prefill: the same over keys (cached + new)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)   # (cpu block, gpu block)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
+    copies: list[tuple[int, int]] = field(default_factory=list)    # copy-on-write (src, dst)
 
 
 def step_inputs(batch: ScheduledBatch, bs: int) -> StepInputs:
@@ -48,9 +52,9 @@ def step_inputs(batch: ScheduledBatch, bs: int) -> StepInputs:
         lens = [len(s) for s in batch.seqs]
         slots = [s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(batch.seqs, lens)]
         return StepInputs(False, [s.token_ids[-1] for s in batch.seqs], [n - 1 for n in lens], slots, lens, tables,
-                          [], [])
+                          [], [], batch.swap_in, batch.swap_out, batch.copies)
     # prefill: each sequence computes tokens num_computed_tokens.. (a whole prompt or a chunk of it)
-    step = StepInputs(True, [], [], [], [], tables, [0], [0])
+    step = StepInputs(True, [], [], [], [], tables, [0], [0], batch.swap_in, batch.swap_out, batch.copies)
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
         step.input_ids += seq.token_ids[start:end]
@@ -89,6 +93,7 @@ class ModelRunner:
             load_model(self.model, config.model)
         self.graphs = {}
         self.num_kvcache_blocks = self._allocate_kv_cache()
+        self.num_cpu_blocks = self._allocate_swap_space()
         use_graphs = self.device.type == "cuda" and config.attn_backend != "sdpa" and not config.enforce_eager
         if use_graphs:
             self.capture_cudagraphs()
@@ -137,6 +142,32 @@ class ModelRunner:
                         num_blocks * self.block_size, num_blocks * block_bytes / 2**30)
         return num_blocks
 
+    def _allocate_swap_space(self) -> int:
+        """Swap preemption's CPU block pool: a tensor shaped like the KV cache (pinned on CUDA)."""
+        if self.config.preemption_mode != "swap":
+            return 0
+        shape = list(self.kv_cache.shape)  # [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+        block_bytes = self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
+        shape[2] = int(self.config.swap_space * (1 << 30) // block_bytes)
+        if shape[2] < 1:
+            raise ValueError(f"swap_space={self.config.swap_space} GiB holds no KV block ({block_bytes} bytes)")
+        self.cpu_cache = torch.zeros(shape, dtype=self.kv_cache.dtype, pin_memory=self.device.type == "cuda")
+        return shape[2]
+
+    def move_blocks(self, batch: "StepInputs"):
+        """The step's block copies, each kind one batched index copy over all layers, in the order the scheduler
+        made them: swap in (its CPU blocks may be reused by a swap out), swap out (its GPU blocks by a copy),
+        copy-on-write (its source may be a swapped-in block)."""
+        if batch.swap_in:
+            cpu, gpu = map(list, zip(*batch.swap_in))
+            self.kv_cache[:, :, gpu] = self.cpu_cache[:, :, cpu].to(self.device)
+        if batch.swap_out:
+            gpu, cpu = map(list, zip(*batch.swap_out))
+            self.cpu_cache[:, :, cpu] = self.kv_cache[:, :, gpu].cpu()
+        if batch.copies:
+            src, dst = map(list, zip(*batch.copies))
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
     @torch.inference_mode()
     def _warmup(self):
         """Run the largest prefill and the largest sampling batch once, so their peak memory is known
@@ -150,7 +181,7 @@ class ModelRunner:
         self.execute(step_inputs(ScheduledBatch(seqs, [length] * num_seqs, is_prefill=True), self.block_size))
         logits = torch.randn(self.config.max_num_seqs, self.config.hf_config["vocab_size"], device=self.device)
         params = [SamplingParams(temperature=1.0, top_p=0.9)] * self.config.max_num_seqs
-        sample(logits, self.sampling_tensors([Sequence([0], p, self.block_size) for p in params]))
+        sample(logits, self.sampling_tensors([(Sequence([0], p, self.block_size), 0) for p in params]))
 
     def _tensor(self, data, dtype=torch.int32) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
@@ -177,9 +208,9 @@ class ModelRunner:
                                  max_q, max(step.context_lens), has_prefix=cu_k[-1] != cu_q[-1])
         return ids, pos, meta
 
-    def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
-        """Per-row sampling settings; truncation tensors only when some row uses them."""
-        ps = [s.params for s in seqs]
+    def sampling_tensors(self, rows: list[tuple[Sequence, int]]) -> SamplingTensors:
+        """Per-row sampling settings of (sequence, sample index) rows; truncation tensors only when some row uses them."""
+        ps = [s.params for s, _ in rows]
         vocab = self.config.hf_config["vocab_size"]
         temps = [0.0 if p.greedy else p.temperature for p in ps]
         top_ks = [p.top_k if p.top_k > 0 else vocab for p in ps]
@@ -188,7 +219,7 @@ class ModelRunner:
             top_ks=self._tensor(top_ks, torch.int64) if min(top_ks) < vocab else None,
             top_ps=self._tensor([p.top_p for p in ps], torch.float32) if any(p.top_p < 1 for p in ps) else None,
             min_ps=self._tensor([p.min_p for p in ps], torch.float32) if any(p.min_p > 0 for p in ps) else None,
-            seeds=[(i, hash((p.seed, s.num_tokens)) & (2**63 - 1)) for i, (p, s) in enumerate(zip(ps, seqs))
+            seeds=[(i, hash((p.seed, k, s.num_tokens)) & (2**63 - 1)) for i, (p, (s, k)) in enumerate(zip(ps, rows))
                    if p.seed is not None and not p.greedy],
             all_greedy=all(t == 0 for t in temps))
 
@@ -240,6 +271,7 @@ class ModelRunner:
     def execute(self, step: StepInputs) -> torch.Tensor | None:
         """The forward pass, on every rank: float32 logits [num_seqs, vocab] at each sequence's last new
         token (None on ranks other than 0)."""
+        self.move_blocks(step)
         input_ids, positions, meta = self.prepare(step)
         if not step.is_prefill and self.graphs:
             hidden = self._replay(input_ids, positions, meta)
@@ -262,6 +294,12 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int]:
-        """One forward step of the batch; returns the next token of each sequence."""
-        return sample(self.compute_logits(batch), self.sampling_tensors(batch.seqs)).tolist()
+    def run(self, batch: ScheduledBatch) -> tuple[list[int], list | None]:
+        """One forward step of the batch; returns the next token of each sample row and, when some sequence asks,
+        their log-probabilities (a row per sequence, n rows for the prompt of a new n-sample request)."""
+        logits = self.compute_logits(batch)
+        rows = [(seq, seq.sample_index + j) for seq, k in zip(batch.seqs, batch.num_samples) for j in range(k)]
+        if len(rows) > len(batch.seqs):  # the n samples of a new request draw from its one prompt row
+            logits = logits.repeat_interleave(self._tensor(batch.num_samples, torch.int64), dim=0)
+        token_ids = sample(logits, self.sampling_tensors(rows))
+        return token_ids.tolist(), logprobs(logits, token_ids, [seq.params.logprobs for seq, _ in rows])

@@ -1,4 +1,9 @@
-"""A request's token sequence and its block table (the logical-to-physical map of PagedAttention)."""
+"""A request's token sequence and its block table (the logical-to-physical map of PagedAttention).
+
+A request with several outputs (parallel samples, or the beams of a beam search) is a *group* of
+sequences made by `fork`: a child starts as a copy of its parent's tokens and, through
+`BlockManager.fork`, shares its parent's KV blocks.
+"""
 from enum import Enum, auto
 from itertools import count
 
@@ -8,6 +13,7 @@ from nanovllm.sampling_params import SamplingParams
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
+    SWAPPED = auto()   # its blocks sit in the CPU pool; its block table holds CPU block ids
     FINISHED = auto()
 
 
@@ -37,6 +43,23 @@ class Sequence:
         self.num_cached_tokens = 0    # prompt tokens served from the prefix cache
         self.num_hashed_blocks = 0    # leading full blocks registered in the prefix cache
         self.finish_reason: str | None = None
+        self.group: list[Sequence] = [self]  # the request's sequences, shared by all of them; [0] is the root
+        self.sample_index = 0         # which of the request's samples (seeds the sampler with the request seed)
+        self.beam_width = 0           # > 0: a beam; the engine reports next-token candidates, beam search appends
+        self.candidates: dict[int, float] | None = None  # a beam's next tokens -> log-probability
+        self.logprobs: list[dict[int, float]] = []  # per generated token, when params.logprobs is set
+        self.cumulative_logprob = 0.0
+
+    def fork(self) -> "Sequence":
+        """A new member of the group with this sequence's tokens and progress (blocks: BlockManager.fork)."""
+        child = Sequence(self.token_ids, self.params, self.block_size)
+        child.num_prompt_tokens, child.status = self.num_prompt_tokens, self.status
+        child.num_computed_tokens, child.num_cached_tokens = self.num_computed_tokens, self.num_cached_tokens
+        child.num_hashed_blocks, child.beam_width = self.num_hashed_blocks, self.beam_width
+        child.logprobs, child.cumulative_logprob = list(self.logprobs), self.cumulative_logprob
+        child.group, child.sample_index = self.group, len(self.group)
+        self.group.append(child)
+        return child
 
     def __len__(self):
         return len(self.token_ids)
@@ -54,6 +77,11 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def max_group_size(self) -> int:
+        """How many sequences the request may run at once: its samples, or its beams."""
+        return max(self.params.n, self.beam_width)
+
+    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
@@ -61,5 +89,8 @@ class Sequence:
         """The token ids stored in the sequence's i-th block."""
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
-    def append_token(self, token_id: int):
+    def append_token(self, token_id: int, logprobs: dict[int, float] | None = None):
         self.token_ids.append(token_id)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs[token_id]

@@ -1,0 +1,80 @@
+"""Beam search on the paged KV cache: the paper's fork, append and free (vLLM, section 4.4).
+
+Every live beam of a prompt is a Sequence in the engine, and the beams of a prompt form one group.
+Each engine step gives every live beam its candidates: the log-probabilities (raw log-softmax) of
+its 2w most likely next tokens. When all beams of a prompt have theirs, `advance` keeps the best
+w candidates: a beam chosen once appends its token; a beam chosen again is first forked (the child
+shares all its blocks; whichever writes first into the shared last block copies it); a beam not
+chosen is freed. The rules are Hugging Face's (`generate(num_beams=w)`, early_stopping=False):
+score = cumulative_logprob / num_generated_tokens ** length_penalty (the EOS token counted); only a
+candidate ranked among the top w may finish (by EOS, or by reaching max_tokens); the search stops
+when w beams have finished and the best live beam's score at its current length is no better than
+the worst of them.
+"""
+from dataclasses import dataclass
+
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class Hypothesis:
+    """A finished beam."""
+    token_ids: list[int]  # generated tokens, the EOS token included
+    cumulative_logprob: float
+    score: float
+    finish_reason: str
+
+
+class BeamSearch:
+    """The beams of one prompt, driven one engine step at a time."""
+
+    def __init__(self, root: Sequence, beam_width: int, max_tokens: int, length_penalty: float, eos_token_ids: set[int]):
+        root.beam_width = beam_width
+        self.beams, self.finished = [root], []
+        self.beam_width, self.max_tokens, self.length_penalty = beam_width, max_tokens, length_penalty
+        self.eos_token_ids = eos_token_ids
+
+    @property
+    def done(self) -> bool:
+        return not self.beams
+
+    def ready(self) -> bool:
+        """Whether every live beam holds its KV and the candidates for its next token."""
+        return all(b.status == SequenceStatus.RUNNING and b.candidates is not None for b in self.beams)
+
+    def score(self, cumulative_logprob: float, length: int) -> float:
+        return cumulative_logprob / length ** self.length_penalty
+
+    def advance(self, scheduler: Scheduler):
+        """One beam step: keep the best candidates, then fork, append and free."""
+        w, length = self.beam_width, self.beams[0].num_completion_tokens + 1
+        candidates = sorted(((beam.cumulative_logprob + logprob, beam, token) for beam in self.beams
+                             for token, logprob in beam.candidates.items()), key=lambda c: -c[0])
+        chosen: dict[Sequence, list[int]] = {beam: [] for beam in self.beams}
+        num_live = 0
+        for rank, (cum, beam, token) in enumerate(candidates):
+            ends = token in self.eos_token_ids or length == self.max_tokens
+            if ends and rank < w:
+                reason = "stop" if token in self.eos_token_ids else "length"
+                tokens = beam.completion_token_ids + [token]
+                self.finished.append(Hypothesis(tokens, cum, self.score(cum, length), reason))
+            elif not ends and num_live < w:
+                chosen[beam].append(token)
+                num_live += 1
+        self.finished = sorted(self.finished, key=lambda h: -h.score)[:w]
+        self.beams = []
+        for beam, tokens in chosen.items():
+            candidates, beam.candidates = beam.candidates, None
+            forks = [scheduler.fork(beam) for _ in tokens[1:]]  # before the beam appends its own token
+            for seq, token in zip([beam] + forks, tokens):
+                seq.append_token(token, candidates)
+                self.beams.append(seq)
+        scheduler.finish([beam for beam, tokens in chosen.items() if not tokens])
+        if len(self.finished) == w and self.beams and self._cannot_improve(length):
+            scheduler.finish(self.beams)
+            self.beams = []
+
+    def _cannot_improve(self, length: int) -> bool:
+        best = max(b.cumulative_logprob for b in self.beams)
+        return self.score(best, length) <= self.finished[-1].score

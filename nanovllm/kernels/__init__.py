@@ -1,0 +1,13 @@
+"""Triton kernels behind the triton attention backend, one file per role.
+
+- `store_kv.py`: write this step's K/V into the paged cache at `slot_mapping` (PagedAttention's write side).
+- `prefill.py`: causal varlen FlashAttention-2 (online softmax) that reads every key through the block table,
+  so prefix-cache hits and chunked prefill need no special case.
+- `decode.py`: paged decode attention with split-KV ("flash decoding") and a log-sum-exp reduction.
+- `paged.py`: the one piece they share, the address of a key's row in the block-paged cache.
+"""
+from nanovllm.kernels.decode import decode_attention, num_decode_splits
+from nanovllm.kernels.prefill import prefill_attention
+from nanovllm.kernels.store_kv import store_kvcache
+
+__all__ = ["store_kvcache", "prefill_attention", "decode_attention", "num_decode_splits"]

@@ -1,0 +1,146 @@
+"""Swap preemption: a preempted group's blocks go to the CPU pool and come back without recomputation;
+outputs equal those of recomputation and of an unconstrained engine."""
+import random
+
+import pytest
+import torch
+
+from nanovllm import SamplingParams
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+from tests.sharing_helpers import build_tiny_llama, make_llm
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+SWAP = dict(preemption_mode="swap", swap_space=0.001)  # 1 MiB: 128 blocks of this model
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny"))
+    build_tiny_llama(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(path):
+    return make_llm(path, enable_prefix_caching=False)
+
+
+def prompts(n: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(300) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+def run(llm, batch, params):
+    """Outputs, plus the prompt tokens prefilled and the largest group swapped out along the way."""
+    stats, schedule = {"prefilled": 0, "swapped_group": 0}, llm.scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        stats["prefilled"] += sum(batch.num_new_tokens) if batch.is_prefill else 0
+        stats["swapped_group"] = max([stats["swapped_group"], *map(len, llm.scheduler.swapped)])
+        return batch
+    llm.scheduler.schedule = recording
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    return outputs, stats
+
+
+def samples(outputs) -> list[list[list[int]]]:
+    return [[o["token_ids"] for o in out["outputs"]] for out in outputs]
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_swap_and_recompute_give_the_same_tokens(path, reference, prefix_caching):
+    batch = prompts(6, (10, 50), seed=1)  # up to 6 blocks each at the end; the cache has 8
+    expected = samples(reference.generate(batch, GREEDY, use_tqdm=False))
+    swap = make_llm(path, num_kvcache_blocks=8, enable_prefix_caching=prefix_caching, **SWAP)
+    recompute = make_llm(path, num_kvcache_blocks=8, enable_prefix_caching=prefix_caching)
+    swapped, swap_stats = run(swap, batch, GREEDY)
+    recomputed, recompute_stats = run(recompute, batch, GREEDY)
+    assert samples(swapped) == samples(recomputed) == expected
+    s = swap.scheduler
+    assert s.num_preemptions > 0 and s.num_swapped_out_blocks > 0
+    assert s.num_swapped_in_blocks == s.num_swapped_out_blocks  # every block came back
+    assert swap_stats["prefilled"] == sum(map(len, batch))  # nothing was recomputed
+    assert recompute_stats["prefilled"] > sum(map(len, batch))
+    assert recompute.scheduler.num_swapped_out_blocks == 0
+    assert swap.block_manager.num_free_blocks == 8
+    assert len(swap.block_manager.free_cpu_blocks) == swap.model_runner.num_cpu_blocks
+
+
+def test_sample_groups_are_swapped_whole_and_keep_their_kv(path, reference):
+    """n-sample requests under a tiny cache: the same tokens and log-probabilities as without pressure."""
+    batch = prompts(3, (20, 40), seed=2)
+    params = SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=30, ignore_eos=True, logprobs=2)
+    expected = reference.generate(batch, params, use_tqdm=False)
+    swap = make_llm(path, num_kvcache_blocks=15, **SWAP)
+    outputs, stats = run(swap, batch, params)
+    assert swap.scheduler.num_swapped_out_blocks > 0 and stats["swapped_group"] == 3
+    assert samples(outputs) == samples(expected)
+    for out, ref in zip(outputs, expected):
+        for o, r in zip(out["outputs"], ref["outputs"]):
+            assert o["cumulative_logprob"] == pytest.approx(r["cumulative_logprob"], abs=1e-3)
+    assert swap.block_manager.num_free_blocks == 15
+
+
+@pytest.mark.parametrize("mode", [dict(preemption_mode="recompute"), SWAP], ids=["recompute", "swap"])
+def test_beam_search_under_preemption(path, reference, mode):
+    batch = prompts(3, (20, 40), seed=3)
+    expected = reference.beam_search(batch, beam_width=3, max_tokens=20)
+    llm = make_llm(path, num_kvcache_blocks=12, **mode)
+    beams = llm.beam_search(batch, beam_width=3, max_tokens=20)
+    assert llm.scheduler.num_preemptions > 0
+    assert [[b["token_ids"] for b in r] for r in beams] == [[b["token_ids"] for b in r] for r in expected]
+    assert (llm.scheduler.num_swapped_out_blocks > 0) == (mode is SWAP)
+    assert llm.block_manager.num_free_blocks == 12
+
+
+def test_swap_out_and_in_keep_sharing_within_a_group():
+    bm = BlockManager(8, 4, num_cpu_blocks=6)
+    parent = Sequence(list(range(10)), SamplingParams(), 4)
+    assert bm.allocate(parent)
+    parent.num_computed_tokens = 10
+    child = parent.fork()
+    bm.fork(parent, child)
+    child.append_token(1)
+    bm.append_blocks(child)  # copy-on-write: the child owns its own block 2
+    group = [parent, child]
+    gpu_tables = [list(s.block_table) for s in group]
+    pairs = bm.swap_out(group)
+    assert sorted(g for g, _ in pairs) == sorted(set(gpu_tables[0] + gpu_tables[1]))  # 4 distinct blocks, once each
+    assert bm.num_free_blocks == 8 and len(bm.free_cpu_blocks) == 2
+    assert parent.block_table[:2] == child.block_table[:2]  # the shared blocks share one CPU copy
+    for s in group:
+        s.status = SequenceStatus.SWAPPED
+    assert bm.can_swap_in(group) and not bm.can_swap_in(group, num_reserved=5)
+    back = bm.swap_in(group)
+    assert len(back) == 4 and len(bm.free_cpu_blocks) == 6 and bm.num_free_blocks == 4
+    assert parent.block_table[:2] == child.block_table[:2] and parent.block_table[2] != child.block_table[2]
+    assert [bm.blocks[b].ref_count for b in parent.block_table] == [2, 2, 1]
+
+
+def test_block_copies_move_the_right_data_in_the_right_order(path):
+    """Swap in, swap out, copy-on-write: each one index copy over all layers, in the order the scheduler made them."""
+    llm = make_llm(path, num_kvcache_blocks=8, **SWAP)
+    runner = llm.model_runner
+    runner.kv_cache.copy_(torch.randn_like(runner.kv_cache))
+    before = runner.kv_cache.clone()
+    runner.move_blocks(ScheduledBatch([], [], False, swap_out=[(1, 5), (2, 6)]))
+    assert torch.equal(runner.cpu_cache[:, :, [5, 6]], before[:, :, [1, 2]])
+    # CPU block 6 comes back into block 1 and is reused by block 3 going out; block 3 then takes a copy of block 1
+    runner.move_blocks(ScheduledBatch([], [], False, swap_in=[(6, 1)], swap_out=[(3, 6)], copies=[(1, 3)]))
+    assert torch.equal(runner.cpu_cache[:, :, 6], before[:, :, 3])
+    assert torch.equal(runner.kv_cache[:, :, [1, 3]], before[:, :, [2, 2]])
+    assert torch.equal(runner.kv_cache[:, :, [0, 2, 4, 5, 6, 7]], before[:, :, [0, 2, 4, 5, 6, 7]])
+
+
+@pytest.mark.parametrize("options, name", [
+    (dict(preemption_mode="swap", swap_space=0), "swap_space="),
+    (dict(preemption_mode="swap", swap_space=-1.0), "swap_space="),
+    (dict(preemption_mode="swap", swap_space=1e-9), "swap_space="),  # less than one block
+    (dict(preemption_mode="offload"), "preemption_mode="),
+])
+def test_bad_swap_options_name_the_argument(path, options, name):
+    with pytest.raises(ValueError, match=name):
+        make_llm(path, **options)

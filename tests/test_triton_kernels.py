@@ -1,0 +1,272 @@
+"""Triton kernels (store, prefill, split-KV decode) and the triton backend against a float64 reference.
+
+The reference gathers each sequence's keys through its block table in plain PyTorch and runs a
+causal softmax in float64. Caches start poisoned with NaN (unused blocks, the tail of a sequence's
+last block, the padding of the block table), so a kernel that reads a key it should not, or leaves
+an output unwritten, fails. On a machine without CUDA the kernels run in Triton's interpreter.
+"""
+import os
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+import triton.language as tl  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+if not torch.cuda.is_available() and isinstance(tl.max, JITFunction):  # triton was imported first, compiled mode
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (by a conftest?): run with "
+                "TRITON_INTERPRET=1 in the environment", allow_module_level=True)
+
+from nanovllm.attention import AttentionMetadata  # noqa: E402
+from nanovllm.attention.triton import TritonBackend  # noqa: E402
+from nanovllm.kernels import decode_attention, num_decode_splits, prefill_attention, store_kvcache  # noqa: E402
+from nanovllm.kernels.decode import MAX_SPLITS  # noqa: E402
+
+HEAD_DIMS = [64, 128]
+HEAD_RATIOS = [(2, 2), (4, 2), (3, 1), (4, 1), (8, 1)]  # (query heads, KV heads): groups of 1, 2, 3, 4, 8
+BLOCK_SIZES = [16, 32, 256]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP32_TOL = 1e-4 if DEVICE == "cpu" else 3e-3  # the interpreter's dots are exact float32; a GPU's are tf32
+BF16_TOL = 1e-2
+
+
+# ---------- reference and helpers ----------
+
+@pytest.fixture(autouse=True)
+def default_device():
+    """Tensors on the GPU where there is one (compiled kernels), else on the CPU (interpreter)."""
+    if DEVICE == "cpu":  # the default already; the device mode would slow the interpreter's torch calls
+        yield
+        return
+    with torch.device(DEVICE):
+        yield
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative norm error; NaN anywhere in out makes it NaN, which fails every `<` check."""
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def gather_keys(cache: torch.Tensor, block_table: torch.Tensor, k_len: int) -> torch.Tensor:
+    """Keys 0..k_len-1 of one sequence, read through its block table: [k_len, Hkv, D] float64."""
+    block_size = cache.shape[1]
+    pos = torch.arange(k_len, device=cache.device)
+    blocks = block_table.long()[pos // block_size]
+    return cache[blocks, pos % block_size].double()
+
+
+def ref_attention(q, k_cache, v_cache, block_table, k_len, scale):
+    """Causal attention of q [q_len, Hq, D], the last q_len positions of a k_len-key sequence, in float64."""
+    q_len, num_heads, _ = q.shape
+    k = gather_keys(k_cache, block_table, k_len)
+    v = gather_keys(v_cache, block_table, k_len)
+    group = num_heads // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [k_len, Hq, D]
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    q_pos = torch.arange(k_len - q_len, k_len, device=q.device)
+    visible = torch.arange(k_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, k_len]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)  # [q_len, Hq, D]
+
+
+def make_paged_cache(k_lens, num_kv_heads, head_dim, block_size, dtype, device, spare_blocks=3):
+    """A NaN-poisoned pool, shuffled block tables padded with NaN blocks, and random keys in the used slots."""
+    blocks_per_seq = [-(-n // block_size) for n in k_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    order = torch.randperm(num_blocks).tolist()
+    spare, order = order[:spare_blocks], order[spare_blocks:]
+    width = max(blocks_per_seq) + 2
+    block_tables = torch.tensor([random.choice(spare)] * width * len(k_lens), dtype=torch.int32)
+    block_tables = block_tables.view(len(k_lens), width)  # padding points at poisoned blocks
+    for i, (n, nb) in enumerate(zip(k_lens, blocks_per_seq)):
+        block_tables[i, :nb] = torch.tensor(order[:nb], dtype=torch.int32)
+        order = order[nb:]
+        pos = torch.arange(n)
+        rows = (block_tables[i].long()[pos // block_size].to(device), (pos % block_size).to(device))
+        k_cache[rows] = torch.randn(n, num_kv_heads, head_dim, dtype=dtype, device=device)
+        v_cache[rows] = torch.randn(n, num_kv_heads, head_dim, dtype=dtype, device=device)
+    return k_cache, v_cache, block_tables.to(device)
+
+
+def cu_seqlens(lens, device):
+    return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=device)
+
+
+def ragged_lengths(block_size):
+    """(q_len, k_len) pairs: length 1, block boundaries +-1, prefix hits and chunks (q_len < k_len)."""
+    b = block_size
+    return [(1, 1), (b - 1, b - 1), (b + 1, b + 1), (3, b + 2), (1, 2 * b + 1), (b, 2 * b), (40, 40 + b - 1)]
+
+
+# ---------- store_kvcache ----------
+
+@pytest.mark.parametrize("num_kv_heads,head_dim", [(1, 64), (3, 64), (2, 128)])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_store_kvcache(num_kv_heads, head_dim, block_size):
+    num_blocks, num_tokens = 4, 37
+    qkv = torch.randn(num_tokens, (4 + 2 * num_kv_heads) * head_dim)  # k, v are strided views, as in a model
+    k = qkv[:, 4 * head_dim:(4 + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, (4 + num_kv_heads) * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens].to(torch.int32)
+    slots[::5] = -1  # padding tokens: must not be written anywhere
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+    store_kvcache(k, v, k_cache, v_cache, slots)
+    kept = slots >= 0
+    flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    assert torch.equal(flat_k[slots[kept].long()], k[kept]) and torch.equal(flat_v[slots[kept].long()], v[kept])
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool)
+    untouched[slots[kept].long()] = False
+    assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all()
+
+
+# ---------- prefill ----------
+
+def check_prefill(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, tol):
+    k_cache, v_cache, block_tables = make_paged_cache([k for _, k in lens], num_kv_heads, head_dim,
+                                                      block_size, dtype, device)
+    q_lens = [q for q, _ in lens]
+    q = torch.randn(sum(q_lens), num_heads, head_dim, dtype=dtype, device=device)
+    scale = head_dim ** -0.5
+    out = prefill_attention(q, k_cache, v_cache, cu_seqlens(q_lens, device), cu_seqlens([k for _, k in lens], device),
+                            block_tables, scale, max(q_lens))
+    start = 0
+    for i, (q_len, k_len) in enumerate(lens):
+        ref = ref_attention(q[start:start + q_len], k_cache, v_cache, block_tables[i], k_len, scale)
+        err = rel_err(out[start:start + q_len], ref)
+        assert err < tol, f"sequence {i} (q_len={q_len}, k_len={k_len}): rel err {err}"
+        start += q_len
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEAD_RATIOS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_prefill_attention(head_dim, num_heads, num_kv_heads, block_size):
+    lens = ragged_lengths(block_size)
+    random.shuffle(lens)
+    check_prefill(lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, DEVICE, FP32_TOL)
+
+
+def test_prefill_several_query_tiles():
+    """Sequences longer than one 128-query tile, with and without a cached prefix."""
+    check_prefill([(200, 200), (130, 300), (1, 1)], 4, 2, 64, 16, torch.float32, DEVICE, FP32_TOL)
+
+
+# ---------- decode ----------
+
+def check_decode(context_lens, num_heads, num_kv_heads, head_dim, block_size, num_splits, dtype, device, tol):
+    k_cache, v_cache, block_tables = make_paged_cache([max(n, 1) for n in context_lens], num_kv_heads, head_dim,
+                                                      block_size, dtype, device)
+    q = torch.randn(len(context_lens), num_heads, head_dim, dtype=dtype, device=device)
+    scale = head_dim ** -0.5
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    out = decode_attention(q, k_cache, v_cache, block_tables, lens, scale, num_splits)
+    for i, n in enumerate(context_lens):
+        if n == 0:  # a CUDA-graph padding row: zeros, never NaN
+            assert torch.equal(out[i], torch.zeros_like(out[i])), f"row {i} with context 0 is not zero"
+            continue
+        ref = ref_attention(q[i:i + 1], k_cache, v_cache, block_tables[i], n, scale)
+        err = rel_err(out[i:i + 1], ref)
+        assert err < tol, f"row {i} (context {n}, {num_splits} splits): rel err {err}"
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEAD_RATIOS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_decode_attention(head_dim, num_heads, num_kv_heads, block_size):
+    b = block_size
+    context_lens = [1, b - 1, b, b + 1, 2 * b + 1, 0, 300]
+    random.shuffle(context_lens)
+    check_decode(context_lens, num_heads, num_kv_heads, head_dim, block_size, 3, torch.float32, DEVICE, FP32_TOL)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, MAX_SPLITS])
+def test_decode_split_counts(num_splits):
+    """One split (direct write), a few, and more splits than a short context has tiles (empty splits)."""
+    check_decode([0, 1, 17, 129, 700], 8, 2, 64, 32, num_splits, torch.float32, DEVICE, FP32_TOL)
+
+
+def test_num_decode_splits_is_static_and_bounded():
+    assert num_decode_splits(1, 8, 128, 8192, 132) == MAX_SPLITS   # 8 programs: split as far as allowed
+    assert num_decode_splits(8, 8, 128, 4096, 132) == 9            # 64 * 9 programs ~ 4 per SM
+    assert num_decode_splits(64, 3, 64, 4096, 132) == 3            # 192 programs: still worth splitting
+    assert num_decode_splits(64, 8, 128, 4096, 132) == 1           # 512 programs fill the GPU on their own
+    assert num_decode_splits(1, 8, 128, 100, 132) == 2             # no split shorter than a 64-key tile
+
+
+# ---------- backend end to end ----------
+
+def test_triton_backend_prefill_then_decode():
+    """Prefill (a fresh prompt, a prefix hit, a one-token prompt), then decode steps with a padding row."""
+    block_size, num_heads, num_kv_heads, head_dim = 16, 6, 2, 64
+    config = SimpleNamespace(max_num_seqs=8, max_model_len=256, kvcache_block_size=block_size, device=DEVICE)
+    backend = TritonBackend(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, config)
+    shape = (24, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+    block_tables = torch.randperm(24)[:18].view(3, 6).to(torch.int32)  # 6 blocks of 16 keys per sequence
+    prior = [0, 20, 0]   # keys already cached: sequence 1 hits a 20-token prefix
+    prompt = [33, 5, 1]
+    history_k = [torch.randn(n, num_kv_heads, head_dim) for n in prior]
+    history_v = [torch.randn(n, num_kv_heads, head_dim) for n in prior]
+    for i in range(3):  # the prefix, as an earlier step would have stored it
+        slots = slot_of(block_tables[i], torch.arange(prior[i]), block_size)
+        store_kvcache(history_k[i], history_v[i], k_cache, v_cache, slots)
+
+    def step(is_prefill, q_lens, pad_rows=0):
+        k_new = [torch.randn(n, num_kv_heads, head_dim) for n in q_lens]
+        v_new = [torch.randn(n, num_kv_heads, head_dim) for n in q_lens]
+        q = torch.randn(sum(q_lens) + pad_rows, num_heads, head_dim)
+        slots = [slot_of(block_tables[i], torch.arange(prior[i], prior[i] + n), block_size)
+                 for i, n in enumerate(q_lens)]
+        k_lens = [p + n for p, n in zip(prior, q_lens)]
+        meta = AttentionMetadata(
+            is_prefill=is_prefill,
+            slot_mapping=torch.cat(slots + [torch.full((pad_rows,), -1, dtype=torch.int32)]),
+            context_lens=torch.tensor(k_lens + [0] * pad_rows, dtype=torch.int32),
+            block_tables=torch.cat([block_tables, torch.zeros(pad_rows, 6, dtype=torch.int32)]),
+            cu_seqlens_q=cu_seqlens(q_lens, DEVICE), cu_seqlens_k=cu_seqlens(k_lens, DEVICE),
+            max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), has_prefix=any(prior))
+        pad = [torch.randn(pad_rows, num_kv_heads, head_dim)]
+        out = backend.forward(q, torch.cat(k_new + pad), torch.cat(v_new + pad), k_cache, v_cache, meta)
+        start = 0
+        for i, n in enumerate(q_lens):
+            history_k[i] = torch.cat([history_k[i], k_new[i]])
+            history_v[i] = torch.cat([history_v[i], v_new[i]])
+            ref = ref_attention(q[start:start + n], k_cache, v_cache, block_tables[i], k_lens[i], backend.scale)
+            assert rel_err(out[start:start + n], ref) < FP32_TOL
+            start += n
+            prior[i] = k_lens[i]
+        assert torch.equal(out[start:], torch.zeros_like(out[start:]))  # padding rows
+
+    step(True, prompt)
+    for _ in range(3):
+        step(False, [1, 1, 1], pad_rows=1)  # decode with one CUDA-graph padding row
+    for i in range(3):  # the cache holds exactly what was stored
+        assert torch.equal(gather_keys(k_cache, block_tables[i], prior[i]), history_k[i].double())
+        assert torch.equal(gather_keys(v_cache, block_tables[i], prior[i]), history_v[i].double())
+
+
+def slot_of(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat cache slot of each token position of a sequence."""
+    return (block_table.long()[positions // block_size] * block_size + positions % block_size).to(torch.int32)
+
+
+# ---------- larger shapes in bfloat16 on the GPU ----------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(128, 16, 8), (64, 9, 3), (128, 32, 4)])
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+def test_gpu_bf16_large(head_dim, num_heads, num_kv_heads, block_size):
+    prefill_lens = [(1000, 1000), (513, 2048), (1, 300), (2048, 2048), (255, 257)]
+    check_prefill(prefill_lens, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, "cuda", BF16_TOL)
+    context_lens = [0, 1, 255, 256, 257, 1000, 4097, 8192] * 4
+    for num_splits in (1, 5, num_decode_splits(len(context_lens), num_kv_heads, head_dim, 8192, 132)):
+        check_decode(context_lens, num_heads, num_kv_heads, head_dim, block_size, num_splits,
+                     torch.bfloat16, "cuda", BF16_TOL)
