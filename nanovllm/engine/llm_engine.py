@@ -168,7 +168,8 @@ class LLMEngine:
         return not self.scheduler.has_unfinished()
 
     def generate(self, prompts: list[str] | list[list[int]], sampling_params=None, use_tqdm: bool = True) -> list[dict]:
-        """Run prompts to completion; one output dict per prompt, in input order."""
+        """Run prompts to completion; one output dict per prompt, in input order. Requests queued earlier with
+        `add_request` are served in the same steps, but their outputs are `step()`'s to return, not this."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(sampling_params, list):
