@@ -16,7 +16,7 @@ import torch
 from nanovllm.attention import AttentionMetadata, get_backend
 from nanovllm.config import CPU_KVCACHE_BYTES, Config
 from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.engine.sequence import Sequence, num_blocks_for
+from nanovllm.engine.sequence import Sequence, num_blocks_for, slot_of
 from nanovllm.layers.linear import tensor_parallel
 from nanovllm.layers.sampler import SamplingTensors, logprobs, sample
 from nanovllm.models import model_class
@@ -50,7 +50,7 @@ def step_inputs(batch: ScheduledBatch, bs: int) -> StepInputs:
     tables = [s.block_table for s in batch.seqs]
     if not batch.is_prefill:  # one new token per sequence, its last one, at position len - 1
         lens = [len(s) for s in batch.seqs]
-        slots = [s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(batch.seqs, lens)]
+        slots = [slot_of(s.block_table, n - 1, bs) for s, n in zip(batch.seqs, lens)]
         return StepInputs(False, [s.token_ids[-1] for s in batch.seqs], [n - 1 for n in lens], slots, lens, tables,
                           [], [], batch.swap_in, batch.swap_out, batch.copies)
     # prefill: each sequence computes tokens num_computed_tokens.. (a whole prompt or a chunk of it)
