@@ -1,0 +1,104 @@
+"""Where a decode step's time goes: `python benchmarks/profile_step.py --attn-backend flash --batch 256`.
+
+Runs `--batch` random prompts of `--context` tokens with random Qwen3-0.6B weights (as bench.py does), then
+profiles `--steps` decode steps with torch.profiler and prints, per step: the wall time, the time the GPU
+was busy and idle, the GPU time of each kind of kernel, and the host time of each phase of `LLM.step`.
+"""
+import argparse
+import contextlib
+import os
+import time
+from collections import defaultdict
+from random import randint, seed
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+import nanovllm.engine.model_runner as model_runner_module
+from nanovllm import LLM, SamplingParams
+
+ARCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "Qwen3-0.6B")
+
+
+def labelled(obj, name: str, label: str):
+    """Wrap obj.name in a profiler range called `label`."""
+    fn = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        with record_function(label):
+            return fn(*args, **kwargs)
+    setattr(obj, name, wrapper)
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--attn-backend", default="flash", choices=["flash", "triton", "sdpa"])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--trace", default="", help="also write a Chrome trace to this file")
+    args = parser.parse_args()
+    llm = LLM(ARCH, load_format="dummy", skip_tokenizer_init=True, attn_backend=args.attn_backend,
+              enforce_eager=args.enforce_eager)
+    runner, scheduler = llm.model_runner, llm.scheduler
+    labelled(scheduler, "schedule", "schedule")
+    labelled(scheduler, "postprocess", "postprocess")
+    labelled(scheduler, "finish", "finish")
+    labelled(runner, "prepare", "prepare")
+    labelled(runner, "execute", "execute")
+    labelled(runner, "sampling_tensors", "sampling_tensors")
+    labelled(model_runner_module, "sample", "sample")
+    seed(0)
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.steps * 3 + 10)
+    for _ in range(args.batch):
+        llm.add_request([randint(0, 10000) for _ in range(args.context)], params)
+    while llm.step()[1] >= 0:  # prefill until the first decode step
+        pass
+    for _ in range(args.steps):  # warm up decode
+        llm.step()
+    start = time.perf_counter()  # every step ends in a sync (the sampled tokens come to the host)
+    for _ in range(args.steps):
+        llm.step()
+    wall = (time.perf_counter() - start) * 1e6 / args.steps  # us per step, unprofiled
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            with record_function("step"):
+                llm.step()
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    kernels, phases = defaultdict(float), defaultdict(float)
+    intervals, steps = [], []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name[:90]] += e.time_range.elapsed_us()
+            intervals.append((e.time_range.start, e.time_range.end))
+        elif e.name == "step":
+            steps.append((e.time_range.start, e.time_range.end))
+        elif e.name in ("schedule", "postprocess", "finish", "prepare", "execute", "sampling_tensors", "sample"):
+            phases[e.name] += e.time_range.elapsed_us()
+    span = steps[-1][1] - steps[0][0]
+    busy = busy_time([(a, b) for a, b in intervals if steps[0][0] <= a <= steps[-1][1]])
+    n = args.steps
+    print(f"\n{args.attn_backend}, batch {args.batch}, context {args.context}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}")
+    print(f"step (unprofiled): {wall:.0f} us; profiled: {span / n:.0f} us, GPU busy {busy / n:.0f} us, "
+          f"idle {(span - busy) / n:.0f} us")
+    print("\nhost time per step (us):", ", ".join(f"{k} {v / n:.0f}" for k, v in phases.items()))
+    print("\n| GPU time per step (us) | kernel |\n|---|---|")
+    for name, t in sorted(kernels.items(), key=lambda kv: -kv[1])[:30]:
+        print(f"| {t / n:8.1f} | {name} |")
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()
