@@ -1,10 +1,16 @@
-"""Rotary position embedding (neox layout: the two halves of each head rotate together)."""
+"""Rotary position embedding (neox layout: the two halves of each head rotate together).
+
+It takes the query and key heads as one tensor, [N, num_heads + num_kv_heads, head_dim] (how the qkv
+projection lays them out), and can apply Qwen3's per-head RMSNorm first: on CUDA the norm and the
+rotation of every head are one fused kernel, a few microseconds per layer of a decode step.
+"""
 import math
 
 import torch
 from torch import nn
 
 from nanovllm.layers.fused import fused
+from nanovllm.layers.norm import plain_rms_norm
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -35,15 +41,23 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)  # [max_position, head_dim / 2]
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """Rotate q [N, Hq, D] and k [N, Hkv, D] by the angles of their positions."""
-        return apply_rotary(positions, q, k, self.cos_sin)
+    def forward(self, positions: torch.Tensor, qk: torch.Tensor, num_heads: int, q_norm: nn.Module | None = None,
+                k_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate the heads qk [N, num_heads + num_kv_heads, D] by the angles of their positions, after the
+        RMSNorms q_norm and k_norm if given; returns q [N, num_heads, D] and k [N, num_kv_heads, D] (views)."""
+        weights = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else (None, None, 0.0)
+        return norm_rope(qk, positions, self.cos_sin, num_heads, *weights).split_with_sizes(
+            [num_heads, qk.size(1) - num_heads], dim=1)
 
 
 @fused
-def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor):
+def norm_rope(qk: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
+              q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    if q_weight is not None:  # head h < num_heads is a query head
+        is_q = torch.arange(qk.size(1), device=qk.device)[:, None] < num_heads
+        qk = plain_rms_norm(qk, torch.where(is_q, q_weight, k_weight), eps)
     cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [N, 1, D / 2] each
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    return _rotate(qk, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -31,13 +31,10 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [N, num_heads, head_dim]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([q_size + kv_size, kv_size], dim=-1)
+        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)  # the query heads, then the key heads
+        q, k = self.rotary_emb(positions, qk, self.num_heads, self.q_norm, self.k_norm)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
         o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta)
         return self.o_proj(o.flatten(1))
 
