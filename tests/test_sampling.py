@@ -160,3 +160,11 @@ def test_rows_are_independent_and_greedy_rows_take_the_argmax():
     other = torch.randn(6, 100)
     other[5] = logits[5]
     assert sample(other, t)[5] == tokens[5]
+
+
+def test_greedy_rows_among_plain_temperature_rows_take_the_argmax():
+    """Rows with temperature 0 in a batch sampled without truncation or seeds (the one-pass path)."""
+    logits = torch.randn(6, 100)
+    t = SamplingTensors(temperatures=torch.tensor([0.0, 1.0] * 3), top_ks=None, top_ps=None, min_ps=None, seeds=[],
+                        all_greedy=False)
+    assert sample(logits, t)[::2].tolist() == logits.argmax(-1)[::2].tolist()

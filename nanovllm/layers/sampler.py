@@ -1,13 +1,17 @@
 """Sampling the next token: greedy, temperature, top-k / top-p / min-p, per-request seeds.
 
 Sampling draws argmax(p / q) with q ~ Exponential(1), which picks token i with probability p_i
-(the Gumbel-max trick in another form) and needs no multinomial. A seeded request draws its own q
-from a generator seeded by (seed, sample index, position), so its tokens do not depend on the rest of
-the batch, and the n samples of one request differ.
+(the Gumbel-max trick in another form) and needs no multinomial. In logarithms that is
+argmax(logits / T - log q): no softmax either, so plain temperature sampling of a whole batch is one
+pass over the logits (one fused kernel on CUDA). A seeded request draws its own q from a generator
+seeded by (seed, sample index, position), so its tokens do not depend on the rest of the batch, and
+the n samples of one request differ. Logits come in the model's dtype; the arithmetic is float32.
 """
 from dataclasses import dataclass
 
 import torch
+
+from nanovllm.layers.fused import fused
 
 
 @dataclass
@@ -41,10 +45,13 @@ def truncate(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Next token per row of logits [B, vocab] (float32)."""
-    greedy = logits.argmax(-1)
+    """Next token per row of logits [B, vocab]."""
     if t.all_greedy:
-        return greedy
+        return logits.argmax(-1)
+    if t.top_ks is None and t.top_ps is None and t.min_ps is None and not t.seeds:
+        return sample_temperature(logits, t.temperatures)
+    greedy = logits.argmax(-1)
+    logits = logits.float()
     temps = torch.where(t.temperatures > 0, t.temperatures, 1.0)
     probs = truncate(logits / temps[:, None], t).softmax(-1)
     q = torch.empty_like(probs).exponential_()
@@ -55,6 +62,16 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return torch.where(t.temperatures > 0, sampled, greedy)
 
 
+@fused
+def sample_temperature(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """Plain temperature sampling: argmax(logits / T - log q), q ~ Exponential(1) (= -log u, u ~ U[0, 1));
+    rows with T = 0 take the argmax."""
+    x = logits.float()
+    scaled = x / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
+    sampled = (scaled - torch.log(-torch.log(torch.rand_like(x)))).argmax(-1)
+    return torch.where(temperatures > 0, sampled, x.argmax(-1))
+
+
 def logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None]) -> list | None:
     """For each row with a number m: {token: log-probability} of the chosen token and the m most likely ones.
 
@@ -63,7 +80,7 @@ def logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[i
     """
     if all(m is None for m in num_logprobs):
         return None
-    logp = logits.log_softmax(-1)  # [B, vocab]
+    logp = logits.float().log_softmax(-1)  # [B, vocab]
     chosen = logp.gather(-1, token_ids[:, None])[:, 0].tolist()
     top_logp, top_ids = logp.topk(max(m or 0 for m in num_logprobs), dim=-1)  # [B, max m]
     top_logp, top_ids, token_ids = top_logp.tolist(), top_ids.tolist(), token_ids.tolist()
