@@ -19,14 +19,14 @@ def engine_logits(llm, sequences: list[list[int]], prompt_lens: list[int]) -> li
     rows = {seq.seq_id: [] for seq, _ in seqs}
     while llm.scheduler.has_unfinished():
         batch = llm.scheduler.schedule()
-        logits = llm.model_runner.compute_logits(batch).cpu()
+        logits = llm.model_runner.compute_logits(batch).float().cpu()
         forced = [full[s.seq_id][min(s.num_computed_tokens + n, len(full[s.seq_id]) - 1)]
                   for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        llm.scheduler.advance(batch)
         got = llm.scheduler.postprocess(batch, forced)
-        for i, s in enumerate(batch.seqs):
-            if s in got:
-                rows[s.seq_id].append(logits[i])
-        llm.scheduler.finish([s for s in got if llm._check_finished(s)])
+        for seq, _ in got:
+            rows[seq.seq_id].append(logits[batch.seqs.index(seq)])
+        llm.scheduler.finish([seq for seq, position in got if llm._check_finished(seq, position)])
     return [torch.stack(rows[seq.seq_id]) for seq, _ in seqs]
 
 

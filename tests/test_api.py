@@ -107,7 +107,7 @@ def test_add_request_and_step_equal_generate(llm, prompts, full):
     while not llm.is_finished():
         outputs, num_tokens = llm.step()
         steps += 1
-        assert num_tokens != 0
+        assert num_tokens != 0 or llm.is_finished()  # the last step may only read the step launched before it
         for out in outputs:
             finished[out["request_id"]] = out
     assert sorted(finished) == sorted(ids)

@@ -90,9 +90,9 @@ def test_prompt_blocks_are_shared_and_the_partial_block_copied_on_write(model):
     assert all(s.block_table == table for s in samples)
     assert [llm.block_manager.blocks[b].ref_count for b in table] == [4, 4, 4]
     assert free - llm.block_manager.num_free_blocks == 3  # the prompt's blocks, once
-    batch = llm.scheduler.schedule()
+    llm.step()  # the first decode step
+    batch, _ = llm.in_flight
     assert len(batch.copies) == 3 and {src for src, _ in batch.copies} == {table[2]}  # 3 copy, the 4th keeps it
-    llm.model_runner.run(batch)
     assert [llm.block_manager.blocks[b].ref_count for b in table[:2]] == [4, 4]
     assert len({s.block_table[2] for s in samples}) == 4
     while not llm.is_finished():

@@ -1,6 +1,8 @@
 """Unit tests of the scheduler with a real block manager and fake model steps (no model involved)."""
 from types import SimpleNamespace
 
+import pytest
+
 from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler
@@ -26,6 +28,7 @@ def add(sched, *lengths, start=0) -> list[Sequence]:
 def step(sched, token=7):
     """Schedule and record one fake model step that samples `token` for every sequence."""
     batch = sched.schedule()
+    sched.advance(batch)
     sched.postprocess(batch, [token] * len(batch.seqs))
     return batch
 
@@ -152,3 +155,23 @@ def test_finish_frees_blocks_and_leaves_running():
     assert sched.block_manager.num_free_blocks == 8 - 2
     sched.finish([s2])
     assert not sched.has_unfinished()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_sequence_preempted_before_its_last_token_is_read_finishes_cleanly(mode):
+    """The engine schedules step t+1 before it reads step t: a sequence preempted by step t+1 can turn out to have
+    ended at step t. Finishing it must take it out of the waiting queue (or the swapped groups) and free its blocks."""
+    config = SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=64, preemption_mode=mode)
+    bm = BlockManager(4, BS, True, num_cpu_blocks=8)
+    sched = Scheduler(config, bm)
+    a, b = add(sched, 8, 8)  # two full blocks each: the whole cache
+    prefill = sched.schedule()
+    sched.advance(prefill)
+    assert [s.token_ids[8] for s in (a, b)] == [-1, -2]  # placeholders: rows 0 and 1 of the prefill's tokens
+    decode = sched.schedule()  # a's next token needs a third block: b, the newest, gives way
+    assert decode.seqs == [a] and b.status == (SequenceStatus.SWAPPED if mode == "swap" else SequenceStatus.WAITING)
+    assert bool(decode.swap_out) == (mode == "swap")
+    assert sched.postprocess(prefill, [5, 6]) == [(a, 8), (b, 8)] and b.token_ids[8] == 6
+    sched.finish([b])  # token 6 ended b
+    assert b.is_finished and not sched.waiting and not sched.swapped and list(sched.running) == [a]
+    assert bm.num_free_blocks == 1 and len(bm.free_cpu_blocks) == 8

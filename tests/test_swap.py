@@ -144,3 +144,20 @@ def test_block_copies_move_the_right_data_in_the_right_order(path):
 def test_bad_swap_options_name_the_argument(path, options, name):
     with pytest.raises(ValueError, match=name):
         make_llm(path, **options)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_stop_tokens_while_preempting_keep_outputs_and_free_everything(path, reference, mode):
+    """The engine reads a step's tokens after launching the next one, so a request can end (on a stop token, at any
+    step) after the next step took it or preempted it: same tokens as without pressure, and nothing left held."""
+    batch = prompts(6, (10, 50), seed=7)
+    free_run = reference.generate(batch, GREEDY, use_tqdm=False)
+    stops = sorted({o["token_ids"][i] for o, i in zip(free_run, (3, 9, 17, 25, 33, 38))})
+    params = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=stops)
+    expected = samples(reference.generate(batch, params, use_tqdm=False))
+    assert len({len(s[0]) for s in expected}) > 2  # the requests end at different steps
+    llm = make_llm(path, num_kvcache_blocks=8, **(SWAP if mode == "swap" else {}))
+    assert samples(llm.generate(batch, params, use_tqdm=False)) == expected
+    assert llm.scheduler.num_preemptions > 0 and llm.is_finished()
+    assert llm.block_manager.num_free_blocks == 8
+    assert len(llm.block_manager.free_cpu_blocks) == llm.model_runner.num_cpu_blocks

@@ -161,6 +161,8 @@ class BlockManager:
             return
         for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size):
             block = self.blocks[seq.block_table[i]]
+            if block.hash is not None:
+                continue  # registered already, by a sequence sharing it (a prefix hit, or a fork)
             prev = self.blocks[seq.block_table[i - 1]] if i else None
             block.token_ids = seq.block_tokens(i)
             block.hash = hash_block(block.token_ids, prev.hash if prev is not None else None)
@@ -172,8 +174,12 @@ class BlockManager:
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size)
 
     def free(self, seq: Sequence):
-        """Drop the sequence's references; blocks reaching zero become free, tail first."""
+        """Drop the sequence's references (to CPU blocks if it is swapped out); blocks reaching zero become
+        free, tail first."""
         for block_id in reversed(seq.block_table):
+            if seq.status == SequenceStatus.SWAPPED:
+                self._unref_cpu(block_id)
+                continue
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0
@@ -215,8 +221,11 @@ class BlockManager:
                 else:
                     to_gpu[cpu_id] = self._take_free_block()
                 table.append(to_gpu[cpu_id])
-                self.cpu_ref_counts[cpu_id] -= 1
-                if self.cpu_ref_counts[cpu_id] == 0:
-                    self.free_cpu_blocks.append(cpu_id)
+                self._unref_cpu(cpu_id)
             seq.block_table = table
         return list(to_gpu.items())
+
+    def _unref_cpu(self, cpu_id: int):
+        self.cpu_ref_counts[cpu_id] -= 1
+        if self.cpu_ref_counts[cpu_id] == 0:
+            self.free_cpu_blocks.append(cpu_id)

@@ -18,8 +18,8 @@ from nanovllm.config import Config
 from nanovllm.engine.beam_search import BeamSearch
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.distributed import Workers
-from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.model_runner import ModelRunner, SampledTokens
+from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence, num_blocks_for
 from nanovllm.sampling_params import SamplingParams
 
@@ -33,6 +33,7 @@ class LLMEngine:
             self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.eos_token_ids = self._eos_token_ids()
         self.workers, self._stop_workers = None, None
+        self.in_flight: tuple[ScheduledBatch, SampledTokens] | None = None  # the launched step not read yet
         if config.tensor_parallel_size > 1:
             self.workers = Workers(config)  # ranks 1..N-1, each in a process of its own
             self._stop_workers = weakref.finalize(self, self.workers.shutdown)  # also when collected or at exit
@@ -49,7 +50,7 @@ class LLMEngine:
         """Stop the tensor-parallel workers and free the model, its KV cache and the rendezvous port."""
         if self._stop_workers is not None:
             self._stop_workers()  # runs Workers.shutdown once
-        self.model_runner = None
+        self.model_runner, self.in_flight = None, None
         gc.collect()  # the model's modules hold reference cycles: free their memory (and process groups) now
 
     def __enter__(self):
@@ -113,33 +114,54 @@ class LLMEngine:
 
     def step(self) -> tuple[list[dict], int]:
         """One iteration: returns the outputs of requests finished now and the number of tokens processed
-        (positive for a prefill step, negative for a decode step: the progress bar's two speeds; 0 when idle)."""
+        (positive for a prefill step, negative for a decode step: the progress bar's two speeds; 0 when idle).
+
+        The engine runs one step ahead: it schedules and launches a step before it reads the tokens of the
+        step before (the new step takes them on the device, through placeholders), so the GPU does not wait
+        while the host schedules. A sequence that ended at the earlier step wastes one token of the new one.
+        Steps whose tokens the host needs at once (beam candidates, log-probabilities) are read at once."""
         if self.model_runner is None:
             raise RuntimeError("the engine was shut down")
-        if not self.scheduler.has_unfinished():
-            return [], 0
-        batch = self.scheduler.schedule()
-        token_ids, logprobs = self.model_runner.run(batch)
-        sampled = self.scheduler.postprocess(batch, token_ids, logprobs)
-        finished = [seq for seq in sampled if not seq.beam_width and self._check_finished(seq)]
-        self.scheduler.finish(finished)
-        num_tokens = sum(batch.num_new_tokens) if batch.is_prefill else -len(batch.seqs)
-        roots = {seq.group[0].seq_id: seq.group[0] for seq in finished}  # a request ends with its last sample
-        return [self.output(r) for r in roots.values() if all(s.is_finished for s in r.group)], num_tokens
+        launched, num_tokens = None, 0
+        if self.scheduler.has_unfinished():
+            batch = self.scheduler.schedule()
+            launched = batch, self.model_runner.run(batch)
+            self.scheduler.advance(batch)
+            num_tokens = sum(batch.num_new_tokens) if batch.is_prefill else -len(batch.seqs)
+        previous, self.in_flight = self.in_flight, launched
+        outputs = self._read_step(*previous) if previous else []
+        if launched and all(seq.is_finished for seq, _, _ in batch.sampled):
+            self.in_flight = None  # no token of it is needed (every sequence that samples in it has ended)
+        if launched and any(seq.beam_width or seq.params.logprobs is not None for seq in batch.seqs):
+            outputs += self._read_step(*launched)
+            self.in_flight = None
+        return outputs, num_tokens
 
-    def _check_finished(self, seq: Sequence) -> bool:
-        p, token = seq.params, seq.token_ids[-1]
+    def _read_step(self, batch: ScheduledBatch, sampled: SampledTokens) -> list[dict]:
+        """Wait for a launched step's tokens, record them, and return the requests that finished."""
+        finished = []
+        for seq, position in self.scheduler.postprocess(batch, sampled.tolist(), sampled.logprobs):
+            if self._check_finished(seq, position):
+                del seq.token_ids[position + 1:]  # the placeholder of a step that ran past the end
+                finished.append(seq)
+        self.scheduler.finish(finished)
+        roots = {seq.group[0].seq_id: seq.group[0] for seq in finished}  # a request ends with its last sample
+        return [self.output(r) for r in roots.values() if all(s.is_finished for s in r.group)]
+
+    def _check_finished(self, seq: Sequence, position: int) -> bool:
+        """Whether the token at `position` (the latest known one) ends the sequence; sets finish_reason."""
+        p, token, length = seq.params, seq.token_ids[position], position + 1
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             seq.finish_reason = "stop"
-        elif p.stop and self._stop_string_at(seq) is not None:
+        elif p.stop and self._stop_string_at(seq, length) is not None:
             seq.finish_reason = "stop"
-        elif seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        elif length - seq.num_prompt_tokens >= p.max_tokens or length >= self.config.max_model_len:
             seq.finish_reason = "length"
         return seq.finish_reason is not None
 
-    def _stop_string_at(self, seq: Sequence) -> int | None:
-        """Where the first stop string starts in the completion's text, if one appeared."""
-        text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
+    def _stop_string_at(self, seq: Sequence, length: int | None = None) -> int | None:
+        """Where the first stop string starts in the text of the completion's tokens before `length`."""
+        text = self.tokenizer.decode(seq.token_ids[seq.num_prompt_tokens:length], skip_special_tokens=True)
         hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
         return min(hits) if hits else None
 
@@ -165,7 +187,7 @@ class LLMEngine:
                 "prompt_token_ids": root.token_ids[:root.num_prompt_tokens]}
 
     def is_finished(self) -> bool:
-        return not self.scheduler.has_unfinished()
+        return not self.scheduler.has_unfinished() and self.in_flight is None
 
     def generate(self, prompts: list[str] | list[list[int]], sampling_params=None, use_tqdm: bool = True) -> list[dict]:
         """Run prompts to completion; one output dict per prompt, in input order. Requests queued earlier with

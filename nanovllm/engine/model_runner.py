@@ -5,13 +5,15 @@ preemption, and the attention backend. `step_inputs` is the bridge from the CPU-
 to the model: new tokens, their positions, their cache slots, the per-sequence context lengths and
 the step's block copies, as plain lists; `prepare` uploads them and packs one AttentionMetadata.
 With tensor parallelism, rank 0 sends those lists to the other ranks (nanovllm/engine/distributed.py)
-and every rank `execute`s the same step.
+and every rank `execute`s the same step. `run` returns before the GPU is done: a decode input that the
+previous step sampled is a placeholder in the lists, filled in on the device from `last_tokens`.
 """
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from nanovllm.attention import AttentionMetadata, get_backend
 from nanovllm.config import CPU_KVCACHE_BYTES, Config
@@ -27,6 +29,19 @@ if TYPE_CHECKING:
     from nanovllm.engine.distributed import TPGroup
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SampledTokens:
+    """A launched step's sampled token ids on their way to the host (and their log-probabilities, if asked)."""
+    host: torch.Tensor                  # [rows] int64, pinned on CUDA: filled when `ready` is reached
+    ready: torch.cuda.Event | None
+    logprobs: list | None = None
+
+    def tolist(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()  # waits for that step only, not for one launched after it
+        return self.host.tolist()
 
 
 @dataclass
@@ -91,7 +106,7 @@ class ModelRunner:
             init_dummy(self.model, config.seed)
         else:
             load_model(self.model, config.model)
-        self.graphs = {}
+        self.graphs, self.last_tokens = {}, None
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.num_cpu_blocks = self._allocate_swap_space()
         use_graphs = self.device.type == "cuda" and config.attn_backend != "sdpa" and not config.enforce_eager
@@ -199,6 +214,8 @@ class ModelRunner:
         if not step.is_prefill:
             ids, pos, slot_mapping, ctx, tables = self._upload(
                 step.input_ids, step.positions, step.slot_mapping, step.context_lens, tables)
+            if min(step.input_ids) < 0:
+                ids = self._fill_placeholders(ids)
             return ids, pos, AttentionMetadata(False, slot_mapping, ctx, tables.view(num_seqs, width))
         cu_q, cu_k = step.cu_seqlens_q, step.cu_seqlens_k
         ids, pos, slot_mapping, cu_q_t, cu_k_t, ctx, tables = self._upload(
@@ -207,6 +224,15 @@ class ModelRunner:
         meta = AttentionMetadata(True, slot_mapping, ctx, tables.view(num_seqs, width), cu_q_t, cu_k_t,
                                  max_q, max(step.context_lens), has_prefix=cu_k[-1] != cu_q[-1])
         return ids, pos, meta
+
+    def _fill_placeholders(self, ids: torch.Tensor) -> torch.Tensor:
+        """Replace each placeholder -(r + 1) by token r sampled at the previous step, which never left the device
+        (rank 0 samples, and sends the filled ids to the other ranks)."""
+        if self.tp is None or self.tp.rank == 0:
+            ids = torch.where(ids < 0, self.last_tokens[(-ids - 1).clamp(min=0)].int(), ids)
+        if self.tp is not None:
+            dist.broadcast(ids, group=self.tp.device_group, group_src=0)
+        return ids
 
     def sampling_tensors(self, rows: list[tuple[Sequence, int]]) -> SamplingTensors:
         """Per-row sampling settings of (sequence, sample index) rows; truncation tensors only when some row uses them."""
@@ -279,12 +305,11 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta)
         if step.is_prefill:
             hidden = hidden[meta.cu_seqlens_q[1:] - 1]  # the last new token of each sequence
-        logits = self.model.compute_logits(hidden)
-        return None if logits is None else logits.float()
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
-        """One forward step of the batch (rank 0): float32 logits [num_seqs, vocab]."""
+        """One forward step of the batch (rank 0): logits [num_seqs, vocab] in the model's dtype."""
         step = step_inputs(batch, self.block_size)
         if self.tp is not None:
             self.tp.send_step(step)  # the other ranks run the same forward pass on their shards
@@ -294,12 +319,19 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[int], list | None]:
-        """One forward step of the batch; returns the next token of each sample row and, when some sequence asks,
-        their log-probabilities (a row per sequence, n rows for the prompt of a new n-sample request)."""
+    def run(self, batch: ScheduledBatch) -> SampledTokens:
+        """Launch one forward step of the batch and its sampling, without waiting for them: the next token of each
+        sample row (a row per sequence, n rows for the prompt of a new n-sample request) and, when some sequence
+        asks, their log-probabilities (which do wait). The tokens also stay on the device for the next step."""
         logits = self.compute_logits(batch)
         rows = [(seq, seq.sample_index + j) for seq, k in zip(batch.seqs, batch.num_samples) for j in range(k)]
         if len(rows) > len(batch.seqs):  # the n samples of a new request draw from its one prompt row
             logits = logits.repeat_interleave(self._tensor(batch.num_samples, torch.int64), dim=0)
-        token_ids = sample(logits, self.sampling_tensors(rows))
-        return token_ids.tolist(), logprobs(logits, token_ids, [seq.params.logprobs for seq, _ in rows])
+        self.last_tokens = token_ids = sample(logits, self.sampling_tensors(rows))
+        top = logprobs(logits, token_ids, [seq.params.logprobs for seq, _ in rows])
+        if self.device.type == "cpu":
+            return SampledTokens(token_ids, None, top)
+        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True).copy_(token_ids, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return SampledTokens(host, ready, top)

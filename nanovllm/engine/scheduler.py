@@ -30,6 +30,7 @@ class ScheduledBatch:
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (cpu block, gpu block)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
     copies: list[tuple[int, int]] = field(default_factory=list)    # copy-on-write (src block, dst block)
+    sampled: list[tuple[Sequence, int, int]] = field(default_factory=list)  # by advance: (seq, row, token position)
 
     def __post_init__(self):
         self.num_samples = self.num_samples or [1] * len(self.seqs)
@@ -159,30 +160,45 @@ class Scheduler:
         self.running.append(child)
         return child
 
-    def postprocess(self, batch: ScheduledBatch, token_ids: list[int], logprobs: list | None = None) -> list[Sequence]:
-        """Record the step: advance progress, append sampled tokens (forking the other samples of a new n-sample
-        request; handing beams their candidates instead); return the sequences that got a token."""
-        sampled, row = [], 0
-        logprobs = logprobs or [None] * len(token_ids)
+    def advance(self, batch: ScheduledBatch):
+        """Record a launched step before its tokens are known: each sequence's progress, and a placeholder for
+        each token it samples (the other samples of a new n-sample request fork now, each with its own row).
+        A partial prefill samples nothing; a beam gets candidates instead, and no placeholder."""
+        row = 0
         for seq, n, k in zip(batch.seqs, batch.num_new_tokens, batch.num_samples):
             seq.num_computed_tokens += n
-            self.block_manager.cache_computed_blocks(seq)
-            rows, row = range(row, row + k), row + k
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue  # a partial prefill: what it sampled is dropped
-            samples = [seq] + [self.fork(seq) for _ in rows[1:]]  # forked before the first token is appended
-            for sample, r in zip(samples, rows):
-                if sample.beam_width:
-                    sample.candidates = logprobs[r]
-                else:
-                    sample.append_token(token_ids[r], logprobs[r])
-                sampled.append(sample)
-        return sampled
+            if seq.num_computed_tokens == seq.num_tokens:
+                position = seq.num_tokens
+                for j, sample in enumerate([seq] + [self.fork(seq) for _ in range(k - 1)]):
+                    batch.sampled.append((sample, row + j, position))
+                    if not sample.beam_width:
+                        sample.token_ids.append(-(row + j + 1))
+            row += k
+
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int], logprobs: list | None = None):
+        """Put a step's sampled tokens in place of their placeholders (beams get their candidates) and register
+        newly computed blocks in the prefix cache; returns (sequence, position) of each new token."""
+        new_tokens = []
+        for seq, row, position in batch.sampled:
+            if seq.is_finished:
+                continue  # it ended at the step before, while this one ran
+            if seq.beam_width:
+                seq.candidates = logprobs[row]
+            else:
+                seq.set_token(position, token_ids[row], logprobs[row] if logprobs else None)
+                new_tokens.append((seq, position))
+        for seq in batch.seqs:
+            if seq.status == SequenceStatus.RUNNING:  # not preempted meanwhile
+                self.block_manager.cache_computed_blocks(seq)
+        return new_tokens
 
     def finish(self, seqs: list[Sequence]):
-        """Free finished sequences and drop them from the running queue."""
+        """Free finished sequences and drop them from the queues (one preempted while its last token was being
+        sampled is waiting or swapped)."""
         for seq in seqs:
+            self.block_manager.free(seq)  # before the status changes: a swapped sequence frees CPU blocks
             seq.status = SequenceStatus.FINISHED
-            self.block_manager.free(seq)
         if seqs:
             self.running = deque(s for s in self.running if not s.is_finished)
+            self.waiting = deque(s for s in self.waiting if not s.is_finished)
+            self.swapped = deque(g for g in ([s for s in g if not s.is_finished] for g in self.swapped) if g)

@@ -1,5 +1,8 @@
 """A request's token sequence and its block table (the logical-to-physical map of PagedAttention).
 
+While a step runs, each token it samples is a placeholder in `token_ids`: -(r + 1), row r of the
+step's output, which the next step reads on the device (the engine schedules one step ahead).
+
 A request with several outputs (parallel samples, or the beams of a beam search) is a *group* of
 sequences made by `fork`: a child starts as a copy of its parent's tokens and, through
 `BlockManager.fork`, shares its parent's KV blocks.
@@ -90,7 +93,12 @@ class Sequence:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
     def append_token(self, token_id: int, logprobs: dict[int, float] | None = None):
-        self.token_ids.append(token_id)
+        self.token_ids.append(-1)
+        self.set_token(len(self.token_ids) - 1, token_id, logprobs)
+
+    def set_token(self, position: int, token_id: int, logprobs: dict[int, float] | None = None):
+        """Put a sampled token where its placeholder is (see Scheduler.advance)."""
+        self.token_ids[position] = token_id
         if logprobs is not None:
             self.logprobs.append(logprobs)
             self.cumulative_logprob += logprobs[token_id]
