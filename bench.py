@@ -26,13 +26,19 @@ def make_llm(args, backend: str, **options) -> LLM:
                tensor_parallel_size=args.tp, **weights, **options)
 
 
-def nano_vllm_workload(llm: LLM) -> tuple[int, float]:
-    """nano-vllm's bench.py, step for step: returns (output tokens, seconds)."""
+def nano_vllm_requests() -> tuple[list[list[int]], list[SamplingParams]]:
+    """nano-vllm's bench.py workload, step for step: 256 random prompts and their sampling parameters."""
     seed(0)
     num_seqs, max_input_len, max_output_len = 256, 1024, 1024
     prompts = [[randint(0, 10000) for _ in range(randint(100, max_input_len))] for _ in range(num_seqs)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, max_output_len))
               for _ in range(num_seqs)]
+    return prompts, params
+
+
+def nano_vllm_workload(llm: LLM) -> tuple[int, float]:
+    """nano-vllm's benchmark: one warm-up generate, then the workload; returns (output tokens, seconds)."""
+    prompts, params = nano_vllm_requests()
     llm.generate([[1, 2, 3]], SamplingParams(), use_tqdm=False)  # warm-up
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     start = time.perf_counter()

@@ -3,6 +3,8 @@
 Runs `--batch` random prompts of `--context` tokens with random Qwen3-0.6B weights (as bench.py does), then
 profiles `--steps` decode steps with torch.profiler and prints, per step: the wall time, the time the GPU
 was busy and idle, the GPU time of each kind of kernel, and the host time of each phase of `LLM.step`.
+With `--workload` it instead times every step of bench.py's default workload and sums them by step kind
+and decode batch size (run from the repository root, with PYTHONPATH=.).
 """
 import argparse
 import contextlib
@@ -40,6 +42,32 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def workload_steps(llm):
+    """Time each step of nano-vllm's workload; print seconds by prefill and by decode batch size. (A step's wall
+    time is mostly the GPU time of the step before it, which the host waits for: the engine runs one ahead.)"""
+    from bench import nano_vllm_requests
+    prompts, params = nano_vllm_requests()
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
+    times, step = defaultdict(lambda: [0, 0.0]), llm.step
+
+    def timed():
+        start = time.perf_counter()
+        out, num_tokens = step()
+        n = len(llm.in_flight[0].seqs) if llm.in_flight else 0
+        kind = "prefill" if num_tokens > 0 else f"decode, batch <= {min(b for b in (16, 64, 128, 256) if b >= n)}"
+        times[kind][0] += 1
+        times[kind][1] += time.perf_counter() - start
+        return out, num_tokens
+    llm.step = timed
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    total = time.perf_counter() - start
+    print(f"\n{llm.config.attn_backend}: nano-vllm's workload in {total:.2f} s, "
+          f"{sum(p.max_tokens for p in params) / total:,.0f} tokens/s\n\n| steps | kind | seconds | ms per step |\n|---|---|---|---|")
+    for kind, (n, seconds) in sorted(times.items()):
+        print(f"| {n} | {kind} | {seconds:.2f} | {seconds / n * 1e3:.2f} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--attn-backend", default="flash", choices=["flash", "triton", "sdpa"])
@@ -48,9 +76,12 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--trace", default="", help="also write a Chrome trace to this file")
+    parser.add_argument("--workload", action="store_true", help="time the steps of bench.py's default workload")
     args = parser.parse_args()
     llm = LLM(ARCH, load_format="dummy", skip_tokenizer_init=True, attn_backend=args.attn_backend,
               enforce_eager=args.enforce_eager)
+    if args.workload:
+        return workload_steps(llm)
     runner, scheduler = llm.model_runner, llm.scheduler
     labelled(scheduler, "schedule", "schedule")
     labelled(scheduler, "postprocess", "postprocess")

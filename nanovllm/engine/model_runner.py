@@ -194,18 +194,25 @@ class ModelRunner:
         for seq in seqs:
             seq.block_table = [0] * num_blocks_for(length, self.block_size)  # every token writes into block 0
         self.execute(step_inputs(ScheduledBatch(seqs, [length] * num_seqs, is_prefill=True), self.block_size))
-        logits = torch.randn(self.config.max_num_seqs, self.config.hf_config["vocab_size"], device=self.device)
-        params = [SamplingParams(temperature=1.0, top_p=0.9)] * self.config.max_num_seqs
-        sample(logits, self.sampling_tensors([(Sequence([0], p, self.block_size), 0) for p in params]))
+        rows = self.config.max_num_seqs
+        logits = torch.randn(rows, self.config.hf_config["vocab_size"], device=self.device, dtype=self.config.torch_dtype)
+        for n, params in ((rows, SamplingParams(top_p=0.9)), (rows, SamplingParams()), (1, SamplingParams())):
+            # top-p's sort is the sampler's peak; plain sampling compiles here, for many rows and for one
+            sample(logits[:n], self.sampling_tensors([(Sequence([0], params, self.block_size), 0)] * n))
 
     def _tensor(self, data, dtype=torch.int32) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
         return t.to(self.device, non_blocking=True)
 
     def _upload(self, *parts: list[int]) -> list[torch.Tensor]:
-        """Copy several int lists to the device in one transfer; one int32 tensor per list."""
-        flat = self._tensor([x for part in parts for x in part])
-        return list(flat.split([len(part) for part in parts]))
+        """Copy several int lists to the device in one transfer; one int32 tensor per list, each starting on a
+        16-byte boundary (Triton compiles a kernel once per alignment of its pointers: keep it to one)."""
+        flat = []
+        for part in parts:
+            flat += part
+            flat += [0] * (-len(part) % 4)
+        sizes = [len(part) + -len(part) % 4 for part in parts]
+        return [t[:len(part)] for t, part in zip(self._tensor(flat).split(sizes), parts)]
 
     def prepare(self, step: StepInputs):
         """Input ids, positions and attention metadata of the step, uploaded to this rank's device in one copy."""

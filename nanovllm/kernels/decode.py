@@ -34,7 +34,7 @@ def _split_range(context_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.const
     return start, tl.minimum(start + chunk, context_len)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the table width changes from step to step
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, lse_ptr, qk_scale,

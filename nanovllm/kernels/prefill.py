@@ -41,7 +41,7 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n, k_len
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the table width changes from step to step
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr,
     cu_seqlens_q_ptr, cu_seqlens_k_ptr, block_tables_ptr, qk_scale,
