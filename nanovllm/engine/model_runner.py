@@ -196,9 +196,8 @@ class ModelRunner:
         self.execute(step_inputs(ScheduledBatch(seqs, [length] * num_seqs, is_prefill=True), self.block_size))
         rows = self.config.max_num_seqs
         logits = torch.randn(rows, self.config.hf_config["vocab_size"], device=self.device, dtype=self.config.torch_dtype)
-        for n, params in ((rows, SamplingParams(top_p=0.9)), (rows, SamplingParams()), (1, SamplingParams())):
-            # top-p's sort is the sampler's peak; plain sampling compiles here, for many rows and for one
-            sample(logits[:n], self.sampling_tensors([(Sequence([0], params, self.block_size), 0)] * n))
+        for params in (SamplingParams(top_p=0.9), SamplingParams()):  # top-p's sort is the sampler's peak
+            sample(logits, self.sampling_tensors([(Sequence([0], params, self.block_size), 0)] * rows))
 
     def _tensor(self, data, dtype=torch.int32) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")

@@ -3,15 +3,14 @@
 Sampling draws argmax(p / q) with q ~ Exponential(1), which picks token i with probability p_i
 (the Gumbel-max trick in another form) and needs no multinomial. In logarithms that is
 argmax(logits / T - log q): no softmax either, so plain temperature sampling of a whole batch is one
-pass over the logits (one fused kernel on CUDA). A seeded request draws its own q from a generator
-seeded by (seed, sample index, position), so its tokens do not depend on the rest of the batch, and
-the n samples of one request differ. Logits come in the model's dtype; the arithmetic is float32.
+pass over the logits (on CUDA, one Triton kernel: nanovllm/kernels/sample.py). A seeded request draws
+its own q from a generator seeded by (seed, sample index, position), so its tokens do not depend on the
+rest of the batch, and the n samples of one request differ. Logits come in the model's dtype; the
+arithmetic is float32.
 """
 from dataclasses import dataclass
 
 import torch
-
-from nanovllm.layers.fused import fused
 
 
 @dataclass
@@ -49,6 +48,9 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     if t.all_greedy:
         return logits.argmax(-1)
     if t.top_ks is None and t.top_ps is None and t.min_ps is None and not t.seeds:
+        if logits.is_cuda:
+            from nanovllm.kernels.sample import gumbel_max_sample  # imports triton: only where it runs
+            return gumbel_max_sample(logits, t.temperatures, seed=int(torch.randint(2**31 - 1, ())))
         return sample_temperature(logits, t.temperatures)
     greedy = logits.argmax(-1)
     logits = logits.float()
@@ -62,10 +64,9 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return torch.where(t.temperatures > 0, sampled, greedy)
 
 
-@fused
 def sample_temperature(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """Plain temperature sampling: argmax(logits / T - log q), q ~ Exponential(1) (= -log u, u ~ U[0, 1));
-    rows with T = 0 take the argmax."""
+    rows with T = 0 take the argmax. (CPU; on CUDA nanovllm.kernels.sample computes the same in one pass.)"""
     x = logits.float()
     scaled = x / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
     sampled = (scaled - torch.log(-torch.log(torch.rand_like(x)))).argmax(-1)

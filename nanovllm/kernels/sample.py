@@ -1,0 +1,39 @@
+"""Sampling on the GPU in one read of the logits: the Gumbel-max trick, one program per (row, chunk).
+
+argmax(logits / T + g), with g = -log(-log u) and u ~ U[0, 1) drawn independently per token, picks token i
+with probability softmax(logits / T)_i. Each program draws the noise of its chunk of the vocabulary (Philox,
+keyed by a per-call seed and the element's index) and keeps the chunk's best score and token; a second, tiny
+pass picks each row's best chunk. Rows with T = 0 take the plain argmax. The chunks give every SM work even
+for a batch of one row, which a reduction with one program per row would not.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _gumbel_max_kernel(logits_ptr, temperatures_ptr, best_ptr, token_ptr, seed, vocab, stride_row,
+                       BLOCK: tl.constexpr):
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    tokens = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + tokens, mask=tokens < vocab,
+                other=float("-inf")).to(tl.float32)
+    t = tl.load(temperatures_ptr + row)
+    if t > 0:
+        u = tl.rand(seed, row.to(tl.int64) * vocab + tokens)  # a different number for every element of the batch
+        x = x / t - tl.log(-tl.log(u))
+    out = row * tl.num_programs(1) + chunk
+    tl.store(best_ptr + out, tl.max(x, 0))
+    tl.store(token_ptr + out, chunk * BLOCK + tl.argmax(x, 0))
+
+
+def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, block: int = 2048) -> torch.Tensor:
+    """One token per row of logits [B, vocab] (any float dtype): sampled at temperatures [B] float32, argmax
+    where the temperature is 0. `seed` keys the noise: the same seed draws the same tokens."""
+    rows, vocab = logits.shape
+    assert logits.stride(-1) == 1 and temperatures.shape == (rows,)
+    chunks = triton.cdiv(vocab, block)
+    best = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
+    token = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
+    _gumbel_max_kernel[(rows, chunks)](logits, temperatures, best, token, seed, vocab, logits.stride(0), BLOCK=block)
+    return token.gather(1, best.argmax(1, keepdim=True)).squeeze(1)
