@@ -133,6 +133,7 @@ class Scheduler:
         self.running = deque(scheduled)
         seqs = [seq for seq in scheduled if seq.num_computed_tokens < seq.num_tokens]
         assert seqs, "no sequence can run: the request admission check should have prevented this"
+        seqs.sort(key=len, reverse=True)  # longest context first: attention kernels finish with the short ones
         return ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False)
 
     def preempt(self, group: list[Sequence]):

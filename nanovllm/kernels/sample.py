@@ -2,7 +2,8 @@
 
 argmax(logits / T + g), with g = -log(-log u) and u ~ U[0, 1) drawn independently per token, picks token i
 with probability softmax(logits / T)_i. Each program draws the noise of its chunk of the vocabulary (Philox,
-keyed by a per-call seed and the element's index) and keeps the chunk's best score and token; a second, tiny
+keyed by a per-call seed and the element's index: the random numbers, not the memory, bound its time) and
+keeps the chunk's best score and token; a second, tiny
 pass picks each row's best chunk. Rows with T = 0 take the plain argmax. The chunks give every SM work even
 for a batch of one row, which a reduction with one program per row would not.
 """
@@ -15,16 +16,24 @@ import triton.language as tl
 def _gumbel_max_kernel(logits_ptr, temperatures_ptr, best_ptr, token_ptr, seed, vocab, stride_row,
                        BLOCK: tl.constexpr):
     row, chunk = tl.program_id(0), tl.program_id(1)
-    tokens = chunk * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + tokens, mask=tokens < vocab,
-                other=float("-inf")).to(tl.float32)
     t = tl.load(temperatures_ptr + row)
-    if t > 0:
-        u = tl.rand(seed, row.to(tl.int64) * vocab + tokens)  # a different number for every element of the batch
-        x = x / t - tl.log(-tl.log(u))
+    lanes = tl.arange(0, BLOCK // 4)
+    # Philox makes 4 numbers per call: the chunk is 4 quarters, each taking one of them (a different number for
+    # every element of the batch)
+    u = tl.rand4x(seed, (row.to(tl.int64) * tl.num_programs(1) + chunk) * (BLOCK // 4) + lanes)
+    best, token = float("-inf"), 0
+    for quarter in tl.static_range(4):
+        tokens = chunk * BLOCK + quarter * (BLOCK // 4) + lanes
+        x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + tokens, mask=tokens < vocab,
+                    other=float("-inf")).to(tl.float32)
+        if t > 0:
+            x = x / t - tl.log(-tl.log(u[quarter]))
+        take = tl.max(x, 0) > best
+        token = tl.where(take, chunk * BLOCK + quarter * (BLOCK // 4) + tl.argmax(x, 0), token)
+        best = tl.where(take, tl.max(x, 0), best)
     out = row * tl.num_programs(1) + chunk
-    tl.store(best_ptr + out, tl.max(x, 0))
-    tl.store(token_ptr + out, chunk * BLOCK + tl.argmax(x, 0))
+    tl.store(best_ptr + out, best)
+    tl.store(token_ptr + out, token)
 
 
 def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, block: int = 2048) -> torch.Tensor:
