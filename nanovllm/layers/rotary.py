@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from nanovllm.layers.fused import fused
-from nanovllm.layers.norm import plain_rms_norm
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -53,13 +52,12 @@ class RotaryEmbedding(nn.Module):
 @fused
 def norm_rope(qk: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
               q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    if q_weight is not None:  # head h < num_heads is a query head
+    x, scale = qk.float(), 1.0
+    if q_weight is not None:  # RMSNorm: weight * x * scale, head h < num_heads being a query head
         is_q = torch.arange(qk.size(1), device=qk.device)[:, None] < num_heads
-        qk = plain_rms_norm(qk, torch.where(is_q, q_weight, k_weight), eps)
+        x = x * torch.where(is_q, q_weight, k_weight).float()
+        scale = torch.rsqrt(qk.float().pow(2).mean(-1, keepdim=True) + eps)  # [N, heads, 1]
     cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [N, 1, D / 2] each
-    return _rotate(qk, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    # The rotation is linear, so the norm's per-head scale can follow it: each head is then read once (one kernel).
+    return (torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1) * scale).to(qk.dtype)
