@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
-import torch._inductor.config
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -152,7 +151,6 @@ def share_cpu_cores(size: int):
 def worker_main(config: Config, rank: int, port: int, parent_pid: int):
     """Ranks 1..N-1: build this rank's shard of the model, then run every step rank 0 sends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops the workers
-    torch._inductor.config.compile_threads = 1  # torch.compile in this process: no pool of compile workers to leak
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     if config.device == "cuda":
         torch.cuda.set_device(rank)  # before NCCL binds to the current device
