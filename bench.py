@@ -97,6 +97,7 @@ def main():
                         cells.append("OOM")
                         release(llm)
                         llm = make_llm(args, backend, max_model_len=2 * max(args.lengths), max_num_seqs=max(args.batches))
+                    print(f"{backend} b{batch} L{length}: {cells[-1]}", flush=True)  # kept if a time limit cuts the grid
             rows.append(f"| {backend} | " + " | ".join(cells) + " |")
         release(llm)
         print(rows[-1], flush=True)
