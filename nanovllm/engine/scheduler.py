@@ -9,6 +9,10 @@ When a decode step finds no free block, the newest running group is preempted: b
 found in the cache) or, with preemption_mode="swap", by moving its blocks to the CPU pool; swapped
 groups come back before any new request is admitted. The block copies a step needs (swap out,
 swap in, copy-on-write) travel in its batch to the model runner.
+
+A step is recorded in two halves, because the engine schedules the next step before this one's
+tokens reach the host: `advance` when it is launched (progress, and a placeholder for each token it
+samples), `postprocess` when its tokens arrive (they replace the placeholders).
 """
 from collections import deque
 from dataclasses import dataclass, field
