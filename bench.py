@@ -51,12 +51,13 @@ def decode_throughput(llm: LLM, batch: int, length: int) -> float:
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=length)
     for _ in range(batch):
         llm.add_request([randint(0, 10000) for _ in range(length)], params)
-    decode_tokens, decode_seconds = 0, 0.0
+    decode_tokens, decode_seconds, launched = 0, 0.0, 0
     while not llm.is_finished():
         start = time.perf_counter()
         _, num_tokens = llm.step()
-        if num_tokens < 0:
-            decode_tokens, decode_seconds = decode_tokens - num_tokens, decode_seconds + time.perf_counter() - start
+        if launched < 0:  # a step waits for the one launched before it (the engine runs one ahead): count that one
+            decode_tokens, decode_seconds = decode_tokens - launched, decode_seconds + time.perf_counter() - start
+        launched = num_tokens
     return decode_tokens / decode_seconds
 
 
