@@ -206,11 +206,8 @@ class ModelRunner:
     def _upload(self, *parts: list[int]) -> list[torch.Tensor]:
         """Copy several int lists to the device in one transfer; one int32 tensor per list, each starting on a
         16-byte boundary (Triton compiles a kernel once per alignment of its pointers: keep it to one)."""
-        flat = []
-        for part in parts:
-            flat += part
-            flat += [0] * (-len(part) % 4)
-        sizes = [len(part) + -len(part) % 4 for part in parts]
+        sizes = [len(part) + -len(part) % 4 for part in parts]  # 4 int32s = 16 bytes
+        flat = [x for part, size in zip(parts, sizes) for x in part + [0] * (size - len(part))]
         return [t[:len(part)] for t, part in zip(self._tensor(flat).split(sizes), parts)]
 
     def prepare(self, step: StepInputs):

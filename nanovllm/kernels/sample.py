@@ -3,8 +3,7 @@
 argmax(logits / T + g), with g = -log(-log u) and u ~ U[0, 1) drawn independently per token, picks token i
 with probability softmax(logits / T)_i. Each program draws the noise of its chunk of the vocabulary (Philox,
 keyed by a per-call seed and the element's index: the random numbers, not the memory, bound its time) and
-keeps the chunk's best score and token; a second, tiny
-pass picks each row's best chunk. Rows with T = 0 take the plain argmax. The chunks give every SM work even
+keeps the chunk's best score and token; a second, tiny pass picks each row's best chunk. Rows with T = 0 take the plain argmax. The chunks give every SM work even
 for a batch of one row, which a reduction with one program per row would not.
 """
 import torch
@@ -28,9 +27,9 @@ def _gumbel_max_kernel(logits_ptr, temperatures_ptr, best_ptr, token_ptr, seed, 
                     other=float("-inf")).to(tl.float32)
         if t > 0:
             x = x / t - tl.log(-tl.log(u[quarter]))
-        take = tl.max(x, 0) > best
-        token = tl.where(take, chunk * BLOCK + quarter * (BLOCK // 4) + tl.argmax(x, 0), token)
-        best = tl.where(take, tl.max(x, 0), best)
+        top = tl.max(x, 0)
+        token = tl.where(top > best, chunk * BLOCK + quarter * (BLOCK // 4) + tl.argmax(x, 0), token)
+        best = tl.maximum(top, best)
     out = row * tl.num_programs(1) + chunk
     tl.store(best_ptr + out, best)
     tl.store(token_ptr + out, token)

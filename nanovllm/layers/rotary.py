@@ -2,7 +2,7 @@
 
 It takes the query and key heads as one tensor, [N, num_heads + num_kv_heads, head_dim] (how the qkv
 projection lays them out), and can apply Qwen3's per-head RMSNorm first: on CUDA the norm and the
-rotation of every head are one fused kernel, a few microseconds per layer of a decode step.
+rotation of every head are one torch.compile'd function, a few microseconds per layer of a decode step.
 """
 import math
 
@@ -55,8 +55,8 @@ def norm_rope(qk: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, 
     x, scale = qk.float(), 1.0
     if q_weight is not None:  # RMSNorm: weight * x * scale, head h < num_heads being a query head
         is_q = torch.arange(qk.size(1), device=qk.device)[:, None] < num_heads
+        scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # [N, heads, 1]
         x = x * torch.where(is_q, q_weight, k_weight).float()
-        scale = torch.rsqrt(qk.float().pow(2).mean(-1, keepdim=True) + eps)  # [N, heads, 1]
     cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [N, 1, D / 2] each
     x1, x2 = x.chunk(2, dim=-1)
     # The rotation is linear, so the norm's per-head scale can follow it: each head is then read once (one kernel).
