@@ -179,12 +179,14 @@ def kernel_draws(temperatures: torch.Tensor, logits: torch.Tensor, seed: int = 0
 
 
 def test_kernel_follows_the_distribution():
-    """Temperature 0.5 squares the probabilities (.47 .24 .09 ...; unscaled they would be .35 .25 .15): 1,500 draws
-    (the interpreter is slow), about 4 sigma. The next test covers a vocabulary cut into several chunks."""
-    draws = 1500
-    tokens = kernel_draws(torch.full((draws,), 0.5), PROBS.log().repeat(draws, 1))
-    freq = torch.bincount(tokens, minlength=len(PROBS)).float() / draws
-    expected = PROBS ** 2 / (PROBS ** 2).sum()
+    """The kernel draws a chunk of the vocabulary by its share of the probability, then a token inside it. Chunks of
+    4 tokens: the first holds one likely token and three impossible ones (-inf), the second four less likely ones.
+    Temperature 0.5 squares the probabilities: the first chunk's share is .64 (drawn by its largest logit, it would be
+    .88). 1,500 draws (the interpreter is slow), about 4 sigma."""
+    draws, probs = 1500, torch.tensor([0.4, 0.0, 0.0, 0.0, 0.15, 0.15, 0.15, 0.15])
+    tokens = kernel_draws(torch.full((draws,), 0.5), probs.log().repeat(draws, 1), block=4)
+    freq = torch.bincount(tokens, minlength=len(probs)).float() / draws
+    expected = probs ** 2 / (probs ** 2).sum()
     assert torch.allclose(freq, expected, atol=0.05), (freq, expected)
 
 

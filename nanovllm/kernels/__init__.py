@@ -4,7 +4,8 @@
 - `prefill.py`: causal varlen FlashAttention-2 (online softmax) that reads every key through the block table,
   so prefix-cache hits and chunked prefill need no special case.
 - `decode.py`: paged decode attention with split-KV ("flash decoding") and a log-sum-exp reduction.
-- `sample.py`: temperature sampling (the Gumbel-max trick) in one read of the logits; used by every backend.
+- `sample.py`: exact temperature sampling (the Gumbel-max trick over vocabulary chunks, then inside the drawn
+  chunk) in one read of the logits; used by every backend on CUDA.
 - `paged.py`: the one piece they share, the address of a key's row in the block-paged cache.
 """
 from nanovllm.kernels.decode import decode_attention, num_decode_splits

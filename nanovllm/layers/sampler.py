@@ -3,7 +3,7 @@
 Sampling draws argmax(p / q) with q ~ Exponential(1), which picks token i with probability p_i
 (the Gumbel-max trick in another form) and needs no multinomial. In logarithms that is
 argmax(logits / T - log q): no softmax either, so plain temperature sampling of a whole batch is one
-pass over the logits (on CUDA, one Triton kernel: nanovllm/kernels/sample.py). A seeded request draws
+pass over the logits (on CUDA, Triton kernels that read them once: nanovllm/kernels/sample.py). A seeded request draws
 its own q from a generator seeded by (seed, sample index, position), so its tokens do not depend on the
 rest of the batch, and the n samples of one request differ. Logits come in the model's dtype; the
 arithmetic is float32.
@@ -66,7 +66,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 def sample_temperature(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """Plain temperature sampling: argmax(logits / T - log q), q ~ Exponential(1) (= -log u, u ~ U[0, 1));
-    rows with T = 0 take the argmax. (CPU; on CUDA nanovllm.kernels.sample computes the same in one pass.)"""
+    rows with T = 0 take the argmax. (CPU; on CUDA nanovllm.kernels.sample draws from the same distribution in one read of the logits.)"""
     x = logits.float()
     scaled = x / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
     sampled = (scaled - torch.log(-torch.log(torch.rand_like(x)))).argmax(-1)
