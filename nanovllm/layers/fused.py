@@ -2,7 +2,10 @@
 
 A decode step of a small model spends much of its time in tiny elementwise kernels (norms,
 rotary, the SwiGLU gate). On CUDA each function marked `@fused` is compiled, on its first call,
-into one fused kernel; on CPU it runs as the plain PyTorch written below it.
+into fused kernels; on CPU it runs as the plain PyTorch written below it. The compile is not
+`dynamic=True`: the first call compiles for its shapes, the next one with another batch size
+recompiles with only that dimension symbolic, so the kernels know the hidden sizes (measured on an
+H200 at batch 256: SwiGLU's gate 2.5 us instead of 4.3, Qwen3's q/k norm and rotary 7.7 us instead of 14).
 """
 import functools
 
@@ -18,6 +21,6 @@ def fused(fn):
         if not x.is_cuda:
             return fn(x, *args)
         if compiled is None:  # lazily: compiling imports triton, which must not happen on import
-            compiled = torch.compile(fn, dynamic=True)
+            compiled = torch.compile(fn)
         return compiled(x, *args)
     return run
