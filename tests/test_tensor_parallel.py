@@ -80,8 +80,10 @@ def test_shutdown_leaves_no_process_or_port(models):
     pids, port = [p.pid for p in llm.workers.procs], llm.workers.port
     assert not port_is_free(port)
     llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    procs = llm.workers.procs
     llm.shutdown()
     llm.shutdown()  # twice is harmless
+    assert [p.exitcode for p in procs] == [0]  # the worker stopped on rank 0's message, not by a signal
     assert multiprocessing.active_children() == []
     assert not any(is_running(pid) for pid in pids)
     assert port_is_free(port)

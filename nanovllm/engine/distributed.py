@@ -17,7 +17,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -41,6 +41,7 @@ class TPGroup:
     device_group: dist.ProcessGroup  # NCCL on cuda, gloo on cpu: the model's all-reduces and gather
     cpu_group: dist.ProcessGroup     # gloo: rank 0's message of each step
     idle: bool = False               # (rank 0) the workers are waiting for a step, so a message can reach them
+    graphs: dict = field(default_factory=dict)  # this rank's CUDA graphs, which captured device_group collectives
 
     def send_step(self, step):
         """Rank 0: hand the workers the next forward pass (None: stop)."""
@@ -60,8 +61,17 @@ class TPGroup:
         return int(t)
 
     def close(self):
+        """Shut the groups down; every rank does it at once. NCCL frees a communicator only when the CUDA graphs
+        that captured its collectives are gone, so they go first."""
+        self.graphs.clear()
         self.device_group.shutdown()
         self.cpu_group.shutdown()
+
+    def abort(self):
+        """Close without waiting for the other ranks."""
+        self.graphs.clear()
+        self.device_group.abort()
+        self.cpu_group.abort()
 
 
 def _new_group(store: dist.Store, rank: int, size: int, device_type: str) -> dist.ProcessGroup:
@@ -121,24 +131,28 @@ class Workers:
             time.sleep(0.01)
 
     def shutdown(self):
-        """Stop the workers (with a message if they wait for one, else by signal), then close the groups."""
+        """Stop the workers: with a message if they wait for one, every rank then closing its groups at once (NCCL's
+        shutdown waits for all ranks); else by signal, the groups aborted (a worker in the middle of a step, or gone,
+        would never join a shutdown)."""
         group, self.group = self.group, None
+        stopped = False
         if group is not None and group.idle:
             try:
                 group.send_step(None)
+                stopped = True
             except Exception:  # a worker already gone: the others are stopped below
                 pass
+        if group is not None:
+            group.close() if stopped else group.abort()
         for proc in (p for p in self.procs if p.pid is not None):  # skip any that never started
             proc.join(timeout=5)
-            if proc.is_alive():  # in the middle of a step, or stuck: it has nothing to save
+            if proc.is_alive():  # stuck: it has nothing to save
                 proc.terminate()
                 proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
         self.procs = []
-        if group is not None:
-            group.close()
         self.store = None  # the port is free once the model's layers, which hold the groups, are gone too
 
 

@@ -270,7 +270,7 @@ class ModelRunner:
             context_lens=torch.zeros(max_bs, dtype=torch.int32, device=self.device),
             block_tables=torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=self.device),
             hidden=torch.zeros(max_bs, hidden_size, dtype=self.config.torch_dtype, device=self.device))
-        self.graphs, pool = {}, None
+        self.graphs, pool = self.tp.graphs if self.tp else {}, None  # TPGroup.close() destroys them before NCCL
         for bs in reversed(self.graph_sizes):
             meta = AttentionMetadata(False, g["slot_mapping"][:bs], g["context_lens"][:bs], g["block_tables"][:bs])
             g["hidden"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs], meta)  # warm up (Triton autotune, workspaces)
