@@ -22,12 +22,12 @@ from nanovllm import LLM, SamplingParams
 ARCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "Qwen3-0.6B")
 
 
-def labelled(obj, name: str, label: str):
-    """Wrap obj.name in a profiler range called `label`."""
+def labelled(obj, name: str):
+    """Wrap obj.name in a profiler range of that name."""
     fn = getattr(obj, name)
 
     def wrapper(*args, **kwargs):
-        with record_function(label):
+        with record_function(name):
             return fn(*args, **kwargs)
     setattr(obj, name, wrapper)
 
@@ -82,14 +82,12 @@ def main():
               enforce_eager=args.enforce_eager)
     if args.workload:
         return workload_steps(llm)
-    runner, scheduler = llm.model_runner, llm.scheduler
-    labelled(scheduler, "schedule", "schedule")
-    labelled(scheduler, "postprocess", "postprocess")
-    labelled(scheduler, "finish", "finish")
-    labelled(runner, "prepare", "prepare")
-    labelled(runner, "execute", "execute")
-    labelled(runner, "sampling_tensors", "sampling_tensors")
-    labelled(model_runner_module, "sample", "sample")
+    phases_of = {llm.scheduler: ("schedule", "postprocess", "finish"),
+                 llm.model_runner: ("prepare", "execute", "sampling_tensors"), model_runner_module: ("sample",)}
+    for obj, names in phases_of.items():
+        for name in names:
+            labelled(obj, name)
+    phase_names = {name for names in phases_of.values() for name in names}
     seed(0)
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.steps * 3 + 10)
     for _ in range(args.batch):
@@ -116,7 +114,7 @@ def main():
             intervals.append((e.time_range.start, e.time_range.end))
         elif e.name == "step":
             steps.append((e.time_range.start, e.time_range.end))
-        elif e.name in ("schedule", "postprocess", "finish", "prepare", "execute", "sampling_tensors", "sample"):
+        elif e.name in phase_names:
             phases[e.name] += e.time_range.elapsed_us()
     span = steps[-1][1] - steps[0][0]
     busy = busy_time([(a, b) for a, b in intervals if steps[0][0] <= a <= steps[-1][1]])
