@@ -142,8 +142,10 @@ class Workers:
                 stopped = True
             except Exception:  # a worker already gone: the others are stopped below
                 pass
-        if group is not None:
-            group.close() if stopped else group.abort()
+        if group is not None and stopped:
+            group.close()
+        elif group is not None:
+            group.abort()
         for proc in (p for p in self.procs if p.pid is not None):  # skip any that never started
             proc.join(timeout=5)
             if proc.is_alive():  # stuck: it has nothing to save
