@@ -1,4 +1,5 @@
-"""Triton kernels (store, prefill, split-KV decode) and the triton backend against a float64 reference.
+"""Triton kernels (rotary + store, prefill, split-KV decode) and the triton backend against references: float64
+attention, and the plain PyTorch rotary and store the model runs on CPU.
 
 The reference gathers each sequence's keys through its block table in plain PyTorch and runs a
 causal softmax in float64. Caches start poisoned with NaN (unused blocks, the tail of a sequence's
@@ -23,8 +24,9 @@ if not torch.cuda.is_available() and isinstance(tl.max, JITFunction):  # triton 
 
 from nanovllm.attention import AttentionMetadata  # noqa: E402
 from nanovllm.attention.triton import TritonBackend  # noqa: E402
-from nanovllm.kernels import decode_attention, num_decode_splits, prefill_attention, store_kvcache  # noqa: E402
+from nanovllm.kernels import decode_attention, num_decode_splits, prefill_attention, rope_store  # noqa: E402
 from nanovllm.kernels.decode import MAX_SPLITS  # noqa: E402
+from nanovllm.layers.rotary import RotaryEmbedding, norm_rope, store_kv  # noqa: E402
 
 HEAD_DIMS = [64, 128]
 HEAD_RATIOS = [(2, 2), (4, 2), (3, 1), (4, 1), (8, 1)]  # (query heads, KV heads): groups of 1, 2, 3, 4, 8
@@ -105,26 +107,29 @@ def ragged_lengths(block_size):
     return [(1, 1), (b - 1, b - 1), (b + 1, b + 1), (3, b + 2), (1, 2 * b + 1), (b, 2 * b), (40, 40 + b - 1)]
 
 
-# ---------- store_kvcache ----------
+# ---------- rope_store ----------
 
-@pytest.mark.parametrize("num_kv_heads,head_dim", [(1, 64), (3, 64), (2, 128)])
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_store_kvcache(num_kv_heads, head_dim, block_size):
-    num_blocks, num_tokens = 4, 37
-    qkv = torch.randn(num_tokens, (4 + 2 * num_kv_heads) * head_dim)  # k, v are strided views, as in a model
-    k = qkv[:, 4 * head_dim:(4 + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
-    v = qkv[:, (4 + num_kv_heads) * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(2, 1, 64), (6, 3, 64), (4, 2, 128)])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_store_matches_the_plain_rotary_and_store(num_heads, num_kv_heads, head_dim, qk_norm):
+    """Queries out, rotated keys and values in their slots (nothing written for slot -1), as the CPU path does."""
+    num_blocks, block_size, num_tokens = 4, 16, 37
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim) * 3
+    positions = torch.randint(0, 500, (num_tokens,), dtype=torch.int32)
+    cos_sin = RotaryEmbedding(head_dim, 512, 10000.0).cos_sin
+    weights = (torch.rand(head_dim) + 0.5, torch.rand(head_dim) + 0.5, 1e-6) if qk_norm else (None, None, 0.0)
     slots = torch.randperm(num_blocks * block_size)[:num_tokens].to(torch.int32)
     slots[::5] = -1  # padding tokens: must not be written anywhere
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache, v_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
-    store_kvcache(k, v, k_cache, v_cache, slots)
-    kept = slots >= 0
-    flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
-    assert torch.equal(flat_k[slots[kept].long()], k[kept]) and torch.equal(flat_v[slots[kept].long()], v[kept])
-    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool)
-    untouched[slots[kept].long()] = False
-    assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all()
+    q = rope_store(qkv, positions, cos_sin, num_heads, k_cache, v_cache, slots, *weights)
+    ref_q, ref_k = norm_rope(qkv[:, :num_heads + num_kv_heads], positions, cos_sin, num_heads, *weights).split(
+        [num_heads, num_kv_heads], dim=1)
+    ref_k_cache, ref_v_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+    store_kv(ref_k, qkv[:, num_heads + num_kv_heads:], ref_k_cache, ref_v_cache, slots)
+    assert torch.allclose(q, ref_q, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(k_cache, ref_k_cache, atol=1e-5, rtol=1e-5, equal_nan=True)  # NaN exactly where unwritten
+    assert torch.equal(v_cache.isnan(), ref_v_cache.isnan()) and torch.equal(v_cache.nan_to_num(), ref_v_cache.nan_to_num())
 
 
 # ---------- prefill ----------
@@ -217,7 +222,7 @@ def test_triton_backend_prefill_then_decode():
     history_v = [torch.randn(n, num_kv_heads, head_dim) for n in prior]
     for i in range(3):  # the prefix, as an earlier step would have stored it
         slots = slot_of(block_tables[i], torch.arange(prior[i]), block_size)
-        store_kvcache(history_k[i], history_v[i], k_cache, v_cache, slots)
+        store_kv(history_k[i], history_v[i], k_cache, v_cache, slots)
 
     def step(is_prefill, q_lens, pad_rows=0):
         k_new = [torch.randn(n, num_kv_heads, head_dim) for n in q_lens]
@@ -234,7 +239,8 @@ def test_triton_backend_prefill_then_decode():
             cu_seqlens_q=cu_seqlens(q_lens, DEVICE), cu_seqlens_k=cu_seqlens(k_lens, DEVICE),
             max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), has_prefix=any(prior))
         pad = [torch.randn(pad_rows, num_kv_heads, head_dim)]
-        out = backend.forward(q, torch.cat(k_new + pad), torch.cat(v_new + pad), k_cache, v_cache, meta)
+        store_kv(torch.cat(k_new + pad), torch.cat(v_new + pad), k_cache, v_cache, meta.slot_mapping)  # as the model does
+        out = backend.forward(q, k_cache, v_cache, meta)
         start = 0
         for i, n in enumerate(q_lens):
             history_k[i] = torch.cat([history_k[i], k_new[i]])

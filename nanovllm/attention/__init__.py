@@ -3,8 +3,9 @@
 Every backend reads the KV cache through a block table: the cache of one layer is a pool of
 fixed-size blocks, `k_cache[num_blocks, block_size, num_kv_heads, head_dim]`, and token `i` of a
 sequence lives in slot `block_table[i // block_size] * block_size + i % block_size`.
-The model runner builds one `AttentionMetadata` per forward pass and hands it down the model;
-a backend only has to store the new K/V at `slot_mapping` and attend.
+The model runner builds one `AttentionMetadata` per forward pass and hands it down the model. The
+model writes the new K/V at `slot_mapping` (fused with rotary: nanovllm/layers/rotary.py), so a
+backend only has to attend.
 """
 from dataclasses import dataclass
 
@@ -27,11 +28,11 @@ class AttentionMetadata:
 
 
 class AttentionBackend:
-    """The interface: `forward` stores this step's K/V into the paged cache and attends.
+    """The interface: `forward` attends over the paged cache, which already holds this step's K/V.
 
-    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
-    returns [num_tokens, num_heads, head_dim]. In prefill, query token j of a sequence with q_len
-    new tokens and k_len keys sits at position k_len - q_len + j and sees keys 0..that position.
+    q: [num_tokens, num_heads, head_dim]; returns [num_tokens, num_heads, head_dim]. In prefill, query
+    token j of a sequence with q_len new tokens and k_len keys sits at position k_len - q_len + j and
+    sees keys 0..that position.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, config):
@@ -39,7 +40,7 @@ class AttentionBackend:
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.config = config
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         raise NotImplementedError
 
 

@@ -1,12 +1,11 @@
 """The flash backend: flash-attn's varlen kernel for prefill and its paged-KV kernel for decode.
 
 Both read the paged cache through the block table (`block_table=`), which flash-attn supports for
-block sizes that are a multiple of 256. New K/V are written with our Triton store kernel.
+block sizes that are a multiple of 256; the new K/V are already there (the model writes them).
 """
 import torch
 
 from nanovllm.attention import AttentionBackend, AttentionMetadata
-from nanovllm.kernels.store_kv import store_kvcache
 
 try:
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -26,15 +25,11 @@ class FlashBackend(AttentionBackend):
                              f"(flash-attn's paged KV), got {config.kvcache_block_size}")
         super().__init__(num_heads, num_kv_heads, head_dim, scale, config)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         if not meta.is_prefill:
             return flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
                                            block_table=meta.block_tables, softmax_scale=self.scale,
                                            causal=True).squeeze(1)
-        if meta.has_prefix:  # some keys were computed in earlier steps: read them all from the cache
-            k, v, table = k_cache, v_cache, meta.block_tables
-        else:
-            table = None
-        return flash_attn_varlen_func(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
-                                      meta.max_seqlen_k, softmax_scale=self.scale, causal=True, block_table=table)
+        return flash_attn_varlen_func(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
+                                      meta.max_seqlen_k, softmax_scale=self.scale, causal=True,
+                                      block_table=meta.block_tables)

@@ -1,21 +1,12 @@
 """The baseline backend: PyTorch's scaled_dot_product_attention over K/V gathered through the block table.
 
-It writes the new K/V into their slots, then copies each sequence's keys out of the paged cache
+It copies each sequence's keys (this step's included, written by the model) out of the paged cache
 into a dense tensor (the copy PagedAttention kernels avoid) and calls SDPA. Runs on CPU and CUDA.
 """
 import torch
 import torch.nn.functional as F
 
 from nanovllm.attention import AttentionBackend, AttentionMetadata
-
-
-def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
-    """Write k, v [N, num_kv_heads, head_dim] into the flattened cache at slot_mapping (skipping -1)."""
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k
-    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -25,8 +16,7 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 
 class SDPABackend(AttentionBackend):
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         if meta.is_prefill:
             return self._prefill(q, k_cache, v_cache, meta)
         return self._decode(q, k_cache, v_cache, meta)

@@ -1,6 +1,7 @@
-"""Triton kernels behind the triton attention backend, one file per role.
+"""Triton kernels, one file per role: the triton attention backend's, and two that every backend uses on CUDA.
 
-- `store_kv.py`: write this step's K/V into the paged cache at `slot_mapping` (PagedAttention's write side).
+- `store_kv.py`: rotary (and Qwen3's q/k norm) fused with writing this step's K/V into the paged cache at
+  `slot_mapping` (PagedAttention's write side); used by every backend on CUDA.
 - `prefill.py`: causal varlen FlashAttention-2 (online softmax) that reads every key through the block table,
   so prefix-cache hits and chunked prefill need no special case.
 - `decode.py`: paged decode attention with split-KV ("flash decoding") and a log-sum-exp reduction.
@@ -10,6 +11,6 @@
 """
 from nanovllm.kernels.decode import decode_attention, num_decode_splits
 from nanovllm.kernels.prefill import prefill_attention
-from nanovllm.kernels.store_kv import store_kvcache
+from nanovllm.kernels.store_kv import rope_store
 
-__all__ = ["store_kvcache", "prefill_attention", "decode_attention", "num_decode_splits"]
+__all__ = ["rope_store", "prefill_attention", "decode_attention", "num_decode_splits"]

@@ -6,7 +6,7 @@ time, keeping a running max `m`, sum `l` and unnormalized output `acc` (online s
 softmax scale once, and exp2 is the cheap instruction.
 
 Every key is read through the block table, the ones cached by an earlier step (prefix-cache hit,
-earlier chunk of a chunked prefill) and this step's (already stored by `store_kvcache`) alike. So a
+earlier chunk of a chunked prefill) and this step's (already written by `rope_store`) alike. So a
 sequence may have q_len < k_len: its query j sits at position k_len - q_len + j and sees keys
 0..that position. Keys past the last query of the tile are never loaded (the loop stops at the
 causal diagonal), and only the tiles that straddle the diagonal pay for the mask.

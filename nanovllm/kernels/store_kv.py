@@ -1,7 +1,10 @@
-"""Write side of PagedAttention: copy each new token's K and V into its slot of the block pool.
+"""Write side of PagedAttention, with the rotary embedding fused in: one kernel per layer turns the qkv
+projection into rotated queries and writes the rotated keys and the values into their cache slots.
 
 The scheduler gives every new token a flat slot, `block_id * block_size + offset`, in `slot_mapping`;
-slot -1 marks padding (the unused rows of a CUDA-graph batch) and is skipped.
+slot -1 marks padding (the unused rows of a CUDA-graph batch) and is skipped. Rotary (neox layout) and
+Qwen3's per-head RMSNorm before it are elementwise per head, so each head is read once and written once.
+nanovllm/layers/rotary.py holds the plain PyTorch version (the CPU path and the reference of the tests).
 """
 import torch
 import triton
@@ -9,39 +12,67 @@ import triton.language as tl
 
 
 @triton.jit
-def _store_kvcache_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
+def _rope_store_kernel(
+    qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+    slot_mapping_ptr, eps, stride_t,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QK_PAD: tl.constexpr,
+    KV_PAD: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
-    # One program per token: all its KV heads at once, HEADS_PAD x HEAD_DIM, a contiguous row of the cache.
-    token = tl.program_id(0)
+    # One program per token: its query and key heads as one [QK_PAD, HEAD_DIM / 2] tile per half of a head.
+    token = tl.program_id(0).to(tl.int64)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    heads = tl.arange(0, QK_PAD)[:, None]  # query heads, then key heads
+    dims = tl.arange(0, HALF)[None, :]
+    is_qk, is_q = heads < NUM_HEADS + NUM_KV_HEADS, heads < NUM_HEADS
+    row = qkv_ptr + token * stride_t + heads * HEAD_DIM + dims
+    x1 = tl.load(row, mask=is_qk, other=0.0).to(tl.float32)
+    x2 = tl.load(row + HALF, mask=is_qk, other=0.0).to(tl.float32)
+    if HAS_NORM:  # RMSNorm of each head, its weight chosen by the head's kind
+        scale = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1))[:, None] / HEAD_DIM + eps)
+        x1 *= scale * tl.where(is_q, tl.load(q_weight_ptr + dims), tl.load(k_weight_ptr + dims)).to(tl.float32)
+        x2 *= scale * tl.where(is_q, tl.load(q_weight_ptr + HALF + dims),
+                               tl.load(k_weight_ptr + HALF + dims)).to(tl.float32)
+    angles = cos_sin_ptr + tl.load(positions_ptr + token).to(tl.int64) * HEAD_DIM + dims
+    cos, sin = tl.load(angles), tl.load(angles + HALF)
+    y1, y2 = (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty), (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty)
+    q_out = q_ptr + token * NUM_HEADS * HEAD_DIM + heads * HEAD_DIM + dims
+    tl.store(q_out, y1, mask=is_q)
+    tl.store(q_out + HALF, y2, mask=is_q)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)  # int64: slot * row size can pass 2**31
-    if slot < 0:  # a padding token
-        return
-    heads = tl.arange(0, HEADS_PAD)
-    dims = tl.arange(0, HEAD_DIM)
-    mask = heads[:, None] < NUM_KV_HEADS
-    k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
-    v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    cache_offs = slot * (NUM_KV_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims[None, :]
-    tl.store(k_cache_ptr + cache_offs, k, mask=mask)
-    tl.store(v_cache_ptr + cache_offs, v, mask=mask)
+    if slot >= 0:
+        is_k = is_qk & (heads >= NUM_HEADS)
+        k_out = k_cache_ptr + slot * NUM_KV_HEADS * HEAD_DIM + (heads - NUM_HEADS) * HEAD_DIM + dims
+        tl.store(k_out, y1, mask=is_k)
+        tl.store(k_out + HALF, y2, mask=is_k)
+        kv_heads = tl.arange(0, KV_PAD)[:, None]
+        full = tl.arange(0, HEAD_DIM)[None, :]
+        is_v = kv_heads < NUM_KV_HEADS
+        v = tl.load(qkv_ptr + token * stride_t + (NUM_HEADS + NUM_KV_HEADS + kv_heads) * HEAD_DIM + full, mask=is_v)
+        tl.store(v_cache_ptr + slot * NUM_KV_HEADS * HEAD_DIM + kv_heads * HEAD_DIM + full, v, mask=is_v)
 
 
-def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
-    """Write k, v [N, num_kv_heads, head_dim] to the cache slots `slot_mapping` [N] (-1 = skip)."""
-    num_tokens, num_kv_heads, head_dim = k.shape
-    assert v.shape == k.shape and slot_mapping.shape == (num_tokens,)
-    assert k.stride(-1) == 1 and v.stride(-1) == 1, "head_dim must be contiguous"
+def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+               q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+               eps: float = 0.0) -> torch.Tensor:
+    """qkv [N, num_heads + 2 * num_kv_heads, D] (queries, keys, values): rotate the query and key heads by the
+    angles of their positions (cos_sin [max_position, D]: cos | sin), after RMSNorms with q_weight and k_weight if
+    given; write keys and values to cache slots `slot_mapping` [N] (-1 = skip); return the queries [N, num_heads, D]."""
+    num_tokens, num_all_heads, head_dim = qkv.shape
+    num_kv_heads = (num_all_heads - num_heads) // 2
+    assert qkv.stride(2) == 1 and qkv.stride(1) == head_dim and slot_mapping.shape == (num_tokens,)
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
-    assert k_cache.shape[2:] == (num_kv_heads, head_dim)
+    assert k_cache.shape[2:] == (num_kv_heads, head_dim) and cos_sin.shape[1] == head_dim
     assert head_dim & (head_dim - 1) == 0, "tl.arange needs a power-of-two head_dim"
+    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
-        return
-    _store_kvcache_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        return q
+    has_norm = q_weight is not None
+    _rope_store_kernel[(num_tokens,)](
+        qkv, positions, cos_sin, q_weight if has_norm else qkv, k_weight if has_norm else qkv, q, k_cache, v_cache,
+        slot_mapping, eps, qkv.stride(0),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        QK_PAD=triton.next_power_of_2(num_heads + num_kv_heads), KV_PAD=triton.next_power_of_2(num_kv_heads),
+        HAS_NORM=has_norm,
     )
+    return q

@@ -1,15 +1,14 @@
 """Rotary position embedding (neox layout: the two halves of each head rotate together).
 
-It takes the query and key heads as one tensor, [N, num_heads + num_kv_heads, head_dim] (how the qkv
-projection lays them out), and can apply Qwen3's per-head RMSNorm first: on CUDA the norm and the
-rotation of every head are one torch.compile'd function, a few microseconds per layer of a decode step.
+It takes the qkv projection as one tensor, [N, num_heads + 2 * num_kv_heads, head_dim], can apply Qwen3's
+per-head RMSNorm first, and writes the rotated keys and the values into the paged KV cache: on CUDA the
+norm, the rotation and the cache write of every head are one Triton kernel per layer.
 """
 import math
 
 import torch
 from torch import nn
 
-from nanovllm.layers.fused import fused
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -40,24 +39,40 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)  # [max_position, head_dim / 2]
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, qk: torch.Tensor, num_heads: int, q_norm: nn.Module | None = None,
-                k_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate the heads qk [N, num_heads + num_kv_heads, D] by the angles of their positions, after the
-        RMSNorms q_norm and k_norm if given; returns q [N, num_heads, D] and k [N, num_kv_heads, D] (views)."""
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, q_norm: nn.Module | None,
+                k_norm: nn.Module | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slot_mapping: torch.Tensor) -> torch.Tensor:
+        """qkv [N, num_heads + 2 * num_kv_heads, D]: rotate the query and key heads by the angles of their positions
+        (after the RMSNorms q_norm and k_norm if given), write the keys and values to their cache slots
+        (slot_mapping [N], -1 = skip) and return the queries [N, num_heads, D]. The cache write sits here because
+        on CUDA it is the same kernel as the rotation (nanovllm/kernels/store_kv.py); on CPU it is plain PyTorch."""
         weights = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else (None, None, 0.0)
-        return norm_rope(qk, positions, self.cos_sin, num_heads, *weights).split_with_sizes(
-            [num_heads, qk.size(1) - num_heads], dim=1)
+        if qkv.is_cuda:
+            from nanovllm.kernels.store_kv import rope_store  # imports triton: only where it runs
+            return rope_store(qkv, positions, self.cos_sin, num_heads, k_cache, v_cache, slot_mapping, *weights)
+        num_kv_heads = (qkv.size(1) - num_heads) // 2
+        q, k = norm_rope(qkv[:, :num_heads + num_kv_heads], positions, self.cos_sin, num_heads, *weights).split(
+            [num_heads, num_kv_heads], dim=1)
+        store_kv(k, qkv[:, num_heads + num_kv_heads:], k_cache, v_cache, slot_mapping)
+        return q
 
 
-@fused
 def norm_rope(qk: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
               q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    x, scale = qk.float(), 1.0
-    if q_weight is not None:  # RMSNorm: weight * x * scale, head h < num_heads being a query head
+    """The query and key heads qk [N, heads, D] rotated, after their RMSNorm if the weights are given."""
+    x = qk.float()
+    if q_weight is not None:  # RMSNorm: weight * x / rms(x), head h < num_heads being a query head
         is_q = torch.arange(qk.size(1), device=qk.device)[:, None] < num_heads
-        scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # [N, heads, 1]
-        x = x * torch.where(is_q, q_weight, k_weight).float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * torch.where(is_q, q_weight, k_weight).float()
     cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [N, 1, D / 2] each
     x1, x2 = x.chunk(2, dim=-1)
-    # The rotation is linear, so the norm's per-head scale can follow it: each head is then read once (one kernel).
-    return (torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1) * scale).to(qk.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(qk.dtype)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor):
+    """Write k, v [N, num_kv_heads, D] into the flattened cache at slot_mapping (skipping -1)."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v

@@ -1,8 +1,8 @@
 """The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3) in plain PyTorch.
 
 Qwen2 adds a bias to the qkv projection, Qwen3 an RMSNorm on each query and key head; the rest
-is the same pre-norm transformer. Attention goes through the pluggable backend, which reads and
-writes the paged KV cache; `forward` returns hidden states and `compute_logits` the logits.
+is the same pre-norm transformer. The rotary step writes each new token's K/V into the paged KV cache
+and the pluggable attention backend reads them from there; `forward` returns hidden states and `compute_logits` the logits.
 """
 import torch
 from torch import nn
@@ -30,13 +30,11 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.tensor([])  # [num_blocks, block_size, num_kv_heads, head_dim], set by the runner
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qk, v = self.qkv_proj(x).split([q_size + kv_size, kv_size], dim=-1)
-        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)  # the query heads, then the key heads
-        q, k = self.rotary_emb(positions, qk, self.num_heads, self.q_norm, self.k_norm)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta)
-        return self.o_proj(o.flatten(1))
+        qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)  # q, k, v heads
+        # rotate q and k; k and v go to their cache slots, where the backend reads them with the earlier ones
+        q = self.rotary_emb(positions, qkv, self.num_heads, self.q_norm, self.k_norm, self.k_cache, self.v_cache,
+                            meta.slot_mapping)
+        return self.o_proj(self.backend.forward(q, self.k_cache, self.v_cache, meta).flatten(1))
 
 
 class MLP(nn.Module):
