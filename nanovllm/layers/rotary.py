@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 
-
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Llama 3's rope scaling: slow down low frequencies, keep high ones, blend in between."""
     factor, low, high = scaling["factor"], scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
