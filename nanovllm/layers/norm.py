@@ -5,20 +5,20 @@ from torch import nn
 from nanovllm.layers.fused import fused
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
 
 
-rms_norm = fused(_rms_norm)
+rms_norm = fused(plain_rms_norm)
 
 
 @fused
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     x = x + residual
-    return _rms_norm(x, weight, eps), x
+    return plain_rms_norm(x, weight, eps), x
 
 
 class RMSNorm(nn.Module):

@@ -9,6 +9,8 @@ import math
 import torch
 from torch import nn
 
+from nanovllm.layers.norm import plain_rms_norm
+
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Llama 3's rope scaling: slow down low frequencies, keep high ones, blend in between."""
@@ -60,9 +62,9 @@ def norm_rope(qk: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, 
               q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """The query and key heads qk [N, heads, D] rotated, after their RMSNorm if the weights are given."""
     x = qk.float()
-    if q_weight is not None:  # RMSNorm: weight * x / rms(x), head h < num_heads being a query head
+    if q_weight is not None:  # RMSNorm of each head, with the query weight for heads h < num_heads
         is_q = torch.arange(qk.size(1), device=qk.device)[:, None] < num_heads
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * torch.where(is_q, q_weight, k_weight).float()
+        x = plain_rms_norm(x, torch.where(is_q, q_weight, k_weight).float(), eps)
     cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [N, 1, D / 2] each
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(qk.dtype)
