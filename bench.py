@@ -47,18 +47,17 @@ def nano_vllm_workload(llm: LLM) -> tuple[int, float]:
 
 
 def decode_throughput(llm: LLM, batch: int, length: int) -> float:
-    """Decode tokens/s of `batch` random prompts of `length` tokens, generating `length` tokens each."""
-    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=length)
+    """Decode tokens/s of `batch` random prompts of `length` tokens, generating `length` tokens each:
+    tokens generated after every request has its first one, over the time they took."""
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=length, output_kind="final")
     for _ in range(batch):
         llm.add_request([randint(0, 10000) for _ in range(length)], params)
-    decode_tokens, decode_seconds, launched = 0, 0.0, 0
+    while llm.num_generation_tokens < batch:  # prefill (every request's first token)
+        llm.step()
+    start, first = time.perf_counter(), llm.num_generation_tokens
     while not llm.is_finished():
-        start = time.perf_counter()
-        _, num_tokens = llm.step()
-        if launched < 0:  # a step waits for the one launched before it (the engine runs one ahead): count that one
-            decode_tokens, decode_seconds = decode_tokens - launched, decode_seconds + time.perf_counter() - start
-        launched = num_tokens
-    return decode_tokens / decode_seconds
+        llm.step()
+    return (llm.num_generation_tokens - first) / (time.perf_counter() - start)
 
 
 def release(llm):

@@ -1,10 +1,14 @@
-"""Where a decode step's time goes: `python benchmarks/profile_step.py --attn-backend flash --batch 256`.
+"""Where a step's time goes: `python benchmarks/profile_step.py --attn-backend triton --batch 256`.
 
-Runs `--batch` random prompts of `--context` tokens with random Qwen3-0.6B weights (as bench.py does), then
-profiles `--steps` decode steps with torch.profiler and prints, per step: the wall time, the time the GPU
-was busy and idle, the GPU time of each kind of kernel, and the host time of each phase of `LLM.step`.
-With `--workload` it instead times every step of bench.py's default workload and sums them by step kind
-and decode batch size (run from the repository root, with PYTHONPATH=.).
+Profiles `--steps` engine steps with torch.profiler and prints, per step: the wall time, the host time
+(the wall time less the wait for the GPU's tokens), the time the GPU was busy (the union of its
+kernels) and idle, the GPU time of each kind of kernel, and the host time of the engine's phases.
+The steps are decode steps of `--batch` random prompts of `--context` tokens, with random Qwen3-0.6B
+weights, or with `--serving` steps in the middle of a serving run (benchmarks/serving.py: `--trace`,
+`--rate`, `--num-requests`, `--num-kvcache-blocks`), after which it also prints the run's figures and
+the GPU-busy fraction of the whole run (CUDA events around every step's GPU work).
+With `--workload` it instead times every step of bench.py's default workload and sums them by step
+kind and decode batch size. Run from the repository root, with PYTHONPATH=.
 """
 import argparse
 import contextlib
@@ -16,19 +20,24 @@ from random import randint, seed
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-import nanovllm.engine.model_runner as model_runner_module
 from nanovllm import LLM, SamplingParams
 
 ARCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "Qwen3-0.6B")
+PHASES = {"scheduler": ("schedule", "update", "postprocess", "advance"),
+          "model_runner": ("upload", "prepare", "execute", "sampling_tensors", "run")}
 
 
-def labelled(obj, name: str):
-    """Wrap obj.name in a profiler range of that name."""
+def labelled(obj, name: str, sink: dict | None = None):
+    """Wrap obj.name in a profiler range of that name (and add its host time to sink[name])."""
     fn = getattr(obj, name)
 
     def wrapper(*args, **kwargs):
+        start = time.perf_counter()
         with record_function(name):
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
+        if sink is not None:
+            sink[name] += time.perf_counter() - start
+        return out
     setattr(obj, name, wrapper)
 
 
@@ -42,90 +51,190 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def workload_steps(llm):
-    """Time each step of nano-vllm's workload; print seconds by prefill and by decode batch size. (A step's wall
-    time is mostly the GPU time of the step before it, which the host waits for: the engine runs one ahead.)"""
+def waits(llm) -> dict:
+    """Make the host's waits for a step's tokens measurable: returns {"wait": seconds so far}."""
+    import nanovllm.engine.model_runner as runner_module
+    try:
+        from nanovllm.engine.run_ahead import SampledTokens
+    except ImportError:  # before run_ahead.py
+        SampledTokens = runner_module.SampledTokens
+    sink, tolist = {"wait": 0.0}, SampledTokens.tolist
+
+    def timed(self):
+        start = time.perf_counter()
+        out = tolist(self)
+        sink["wait"] += time.perf_counter() - start
+        return out
+    SampledTokens.tolist = timed
+    return sink
+
+
+def gpu_busy_fraction(llm):
+    """Record CUDA events around each step's GPU work; returns a function giving busy / wall so far."""
+    events, run = [], llm.model_runner.run
+
+    def timed_run(batch):
+        begin = torch.cuda.Event(enable_timing=True)
+        begin.record()
+        out = run(batch)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        events.append((begin, end))
+        return out
+    llm.model_runner.run = timed_run
+
+    def fraction() -> float:
+        torch.cuda.synchronize()
+        busy = sum(a.elapsed_time(b) for a, b in events)
+        return busy / events[0][0].elapsed_time(events[-1][1]) if events else float("nan")
+    return fraction
+
+
+def report(prof, steps: int, wall: float, host: float, phases: dict, title: str):
+    kernels, intervals, spans = defaultdict(float), [], []
+    for e in prof.events():
+        if e.name == "step":
+            spans.append((e.time_range.start, e.time_range.end))
+        elif e.device_type == torch.autograd.DeviceType.CUDA and e.name not in phases and e.name != "step":
+            kernels[e.name[:90]] += e.time_range.elapsed_us()
+            intervals.append((e.time_range.start, e.time_range.end))
+    span = spans[-1][1] - spans[0][0]
+    busy = busy_time([(a, b) for a, b in intervals if spans[0][0] <= a <= spans[-1][1]])
+    print(f"\n{title}")
+    print(f"per step: wall {wall:.0f} us (unprofiled), host {host:.0f} us; profiled: {span / steps:.0f} us, "
+          f"GPU busy {busy / steps:.0f} us ({busy / span:.0%}), idle {(span - busy) / steps:.0f} us")
+    print("host time per step (us):", ", ".join(f"{k} {v * 1e6 / steps:.0f}" for k, v in phases.items() if v))
+    print("\n| GPU time per step (us) | kernel |\n|---|---|")
+    for name, t in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]:
+        print(f"| {t / steps:8.1f} | {name} |")
+
+
+def instrument(llm) -> dict:
+    phases = defaultdict(float)
+    for attr, names in PHASES.items():
+        for name in names:
+            if hasattr(getattr(llm, attr), name):
+                labelled(getattr(llm, attr), name, phases)
+    return phases
+
+
+def decode_steps(args):
+    llm = LLM(ARCH, load_format="dummy", skip_tokenizer_init=True, attn_backend=args.attn_backend,
+              enforce_eager=args.enforce_eager)
+    seed(0)
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.steps * 3 + 10)
+    for _ in range(args.batch):
+        llm.add_request([randint(0, 10000) for _ in range(args.context)], params)
+    for _ in range(args.steps + 4):  # prefill, then warm up decode
+        llm.step()
+    wait = waits(llm)
+    start, waited = time.perf_counter(), wait["wait"]
+    for _ in range(args.steps):
+        llm.step()
+    wall = (time.perf_counter() - start) / args.steps * 1e6
+    host = wall - (wait["wait"] - waited) / args.steps * 1e6
+    phases = instrument(llm)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            with record_function("step"):
+                llm.step()
+    if args.chrome_trace:
+        prof.export_chrome_trace(args.chrome_trace)
+    report(prof, args.steps, wall, host, phases, f"{args.attn_backend}, decode, batch {args.batch}, context "
+           f"{args.context}, {torch.cuda.get_device_name()}")
+
+
+def serving_steps(args):
+    import serving
+    options = {"prefill_first": True} if args.prefill_first else {}
+    llm = serving.make_llm(args, **options)
+    requests = serving.synthesize(args.trace, args.num_requests, args.seed, llm.config.max_model_len)
+    arrivals = serving.poisson_arrivals(args.rate, args.num_requests, args.seed)
+    vocab = llm.config.hf_config["vocab_size"]
+    warm = requests[:16]
+    serving.drive(llm, warm, [0.0] * len(warm), vocab, args.seed + 7)
+    wait, fraction = waits(llm), gpu_busy_fraction(llm)
+    first = args.window_start
+    state = {}
+
+    def on_step(i):  # profile steps first+1 .. first+args.steps
+        if i == first - args.steps:
+            state["t"], state["w"] = time.perf_counter(), wait["wait"]
+        if i == first:
+            state["wall"] = (time.perf_counter() - state["t"]) / args.steps * 1e6
+            state["host"] = state["wall"] - (wait["wait"] - state["w"]) / args.steps * 1e6
+            state["phases"] = instrument(llm)
+            state["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            state["prof"].__enter__()
+            state["range"] = record_function("step")
+            state["range"].__enter__()
+        elif first < i <= first + args.steps:
+            state["range"].__exit__(None, None, None)
+            if i == first + args.steps:
+                state["prof"].__exit__(None, None, None)
+            else:
+                state["range"] = record_function("step")
+                state["range"].__enter__()
+    result = serving.drive(llm, requests, arrivals, vocab, args.seed, on_step)
+    title = (f"{args.attn_backend}, serving {args.trace} rate {args.rate}, {args.num_requests} requests, "
+             f"prefill_first={args.prefill_first}, steps {first + 1}..{first + args.steps}, "
+             f"{torch.cuda.get_device_name()}")
+    if "prof" in state:
+        report(state["prof"], args.steps, state["wall"], state["host"], state["phases"], title)
+    print(f"\nthe whole run: {serving.summary(result)}; GPU busy {fraction():.1%} of the time from the first "
+          "step's GPU work to the last's (CUDA events)")
+
+
+def workload_steps(args):
+    """Time each step of nano-vllm's workload; print seconds by step kind and decode batch size."""
     from bench import nano_vllm_requests
+    llm = LLM(ARCH, load_format="dummy", skip_tokenizer_init=True, attn_backend=args.attn_backend,
+              enforce_eager=args.enforce_eager)
     prompts, params = nano_vllm_requests()
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
-    times, step = defaultdict(lambda: [0, 0.0]), llm.step
+    times, schedule = defaultdict(lambda: [0, 0.0]), llm.scheduler.schedule
+    last = {"t": None, "kind": None}
 
     def timed():
-        start = time.perf_counter()
-        out, num_tokens = step()
-        n = len(llm.in_flight[0].seqs) if llm.in_flight else 0
-        kind = "prefill" if num_tokens > 0 else f"decode, batch <= {min(b for b in (16, 64, 128, 256) if b >= n)}"
-        times[kind][0] += 1
-        times[kind][1] += time.perf_counter() - start
-        return out, num_tokens
-    llm.step = timed
+        batch = schedule()
+        now = time.perf_counter()
+        if last["kind"] is not None:
+            times[last["kind"]][0] += 1
+            times[last["kind"]][1] += now - last["t"]
+        n = len(batch.seqs)
+        decodes = all(k == 1 for k in batch.num_new_tokens)
+        last["t"], last["kind"] = now, (f"decode, batch <= {min(b for b in (16, 64, 128, 256, 512) if b >= n)}"
+                                        if decodes else "with prefill")
+        return batch
+    llm.scheduler.schedule = timed
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     total = time.perf_counter() - start
-    print(f"\n{llm.config.attn_backend}: nano-vllm's workload in {total:.2f} s, "
-          f"{sum(p.max_tokens for p in params) / total:,.0f} tokens/s\n\n| steps | kind | seconds | ms per step |\n|---|---|---|---|")
+    print(f"\n{args.attn_backend}: nano-vllm's workload in {total:.2f} s, "
+          f"{sum(p.max_tokens for p in params) / total:,.0f} tokens/s\n\n| steps | kind | seconds | ms per step |\n"
+          "|---|---|---|---|")
     for kind, (n, seconds) in sorted(times.items()):
         print(f"| {n} | {kind} | {seconds:.2f} | {seconds / n * 1e3:.2f} |")
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--attn-backend", default="flash", choices=["flash", "triton", "sdpa"])
+    import serving
+    parser = serving.parser()
+    parser.description = __doc__.split("\n")[0]
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--trace", default="", help="also write a Chrome trace to this file")
-    parser.add_argument("--workload", action="store_true", help="time the steps of bench.py's default workload")
+    parser.add_argument("--serving", action="store_true", help="profile steps of a serving run")
+    parser.add_argument("--window-start", type=int, default=600, help="--serving: profile after this step")
+    parser.add_argument("--workload", action="store_true", help="time the steps of bench.py's workload")
+    parser.add_argument("--chrome-trace", default="", help="also write a Chrome trace to this file")
     args = parser.parse_args()
-    llm = LLM(ARCH, load_format="dummy", skip_tokenizer_init=True, attn_backend=args.attn_backend,
-              enforce_eager=args.enforce_eager)
     if args.workload:
-        return workload_steps(llm)
-    phases_of = {llm.scheduler: ("schedule", "postprocess", "finish"),
-                 llm.model_runner: ("prepare", "execute", "sampling_tensors"), model_runner_module: ("sample",)}
-    for obj, names in phases_of.items():
-        for name in names:
-            labelled(obj, name)
-    phase_names = {name for names in phases_of.values() for name in names}
-    seed(0)
-    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.steps * 3 + 10)
-    for _ in range(args.batch):
-        llm.add_request([randint(0, 10000) for _ in range(args.context)], params)
-    while llm.step()[1] >= 0:  # prefill until the first decode step
-        pass
-    for _ in range(args.steps):  # warm up decode
-        llm.step()
-    start = time.perf_counter()  # every step ends in a sync (the sampled tokens come to the host)
-    for _ in range(args.steps):
-        llm.step()
-    wall = (time.perf_counter() - start) * 1e6 / args.steps  # us per step, unprofiled
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            with record_function("step"):
-                llm.step()
-    if args.trace:
-        prof.export_chrome_trace(args.trace)
-    kernels, phases = defaultdict(float), defaultdict(float)
-    intervals, steps = [], []
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in phase_names:  # not the GPU mirror of a range
-            kernels[e.name[:90]] += e.time_range.elapsed_us()
-            intervals.append((e.time_range.start, e.time_range.end))
-        elif e.name == "step":
-            steps.append((e.time_range.start, e.time_range.end))
-        elif e.name in phase_names:
-            phases[e.name] += e.time_range.elapsed_us()
-    span = steps[-1][1] - steps[0][0]
-    busy = busy_time([(a, b) for a, b in intervals if steps[0][0] <= a <= steps[-1][1]])
-    n = args.steps
-    print(f"\n{args.attn_backend}, batch {args.batch}, context {args.context}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}")
-    print(f"step (unprofiled): {wall:.0f} us; profiled: {span / n:.0f} us, GPU busy {busy / n:.0f} us, "
-          f"idle {(span - busy) / n:.0f} us")
-    print("\nhost time per step (us):", ", ".join(f"{k} {v / n:.0f}" for k, v in phases.items()))
-    print("\n| GPU time per step (us) | kernel |\n|---|---|")
-    for name, t in sorted(kernels.items(), key=lambda kv: -kv[1])[:30]:
-        print(f"| {t / n:8.1f} | {name} |")
+        workload_steps(args)
+    elif args.serving:
+        serving_steps(args)
+    else:
+        decode_steps(args)
 
 
 if __name__ == "__main__":

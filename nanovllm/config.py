@@ -1,4 +1,5 @@
 """Engine options, validated once: the `Config` every part of the engine reads."""
+import importlib.util
 import json
 import os
 from dataclasses import dataclass, fields
@@ -6,32 +7,35 @@ from dataclasses import dataclass, fields
 import torch
 
 from nanovllm.attention import BACKENDS
+from nanovllm.models import model_class
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-CPU_KVCACHE_BYTES = 1 << 30  # on CPU the KV cache takes 1 GiB unless num_kvcache_blocks says otherwise
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "max_position_embeddings")
 
 
 @dataclass(slots=True)
 class Config:
     model: str
-    max_num_batched_tokens: int = 16384
-    max_num_seqs: int = 512
-    max_model_len: int = 4096
+    max_num_batched_tokens: int = 16384  # new tokens per step
+    max_num_seqs: int = 512              # sequences per step
+    max_model_len: int = 4096            # prompt + generated tokens (clipped to the model's)
     gpu_memory_utilization: float = 0.9
     kvcache_block_size: int = 256
-    num_kvcache_blocks: int = -1       # -1: size the cache from free memory (GPU) or CPU_KVCACHE_BYTES
-    enforce_eager: bool = False
-    attn_backend: str = ""            # "" picks flash on cuda when flash-attn is installed, else triton; sdpa on cpu
-    device: str = ""                  # "" picks cuda when present, else cpu
-    dtype: str = "auto"               # "auto": the checkpoint's dtype on cuda, float32 on cpu
-    load_format: str = "safetensors"  # or "dummy": random weights from config.json alone
+    num_kvcache_blocks: int = -1         # -1: from free GPU memory, or 1 GiB on CPU
+    enforce_eager: bool = False          # no CUDA graphs
+    attn_backend: str = ""               # "": flash on CUDA if installed, else triton; sdpa on CPU
+    device: str = ""                     # "": cuda when present, else cpu
+    dtype: str = "auto"                  # "auto": the checkpoint's dtype on CUDA, float32 on CPU
+    load_format: str = "safetensors"     # or "dummy": random weights from config.json alone
     enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"  # or "swap": preempted blocks move to a CPU pool and come back
-    swap_space: float = 4.0           # GiB of CPU memory for swapped-out blocks (used only in swap mode)
+    prefill_first: bool = False          # True: steps that prefill run no decodes (vLLM v0's order)
+    preemption_mode: str = "recompute"   # or "swap": preempted blocks move to a CPU pool
+    swap_space: float = 4.0              # GiB of CPU memory for swapped-out blocks
     skip_tokenizer_init: bool = False
     seed: int = 0
     tensor_parallel_size: int = 1
-    hf_config: dict | None = None     # filled in: the model's config.json
+    hf_config: dict | None = None        # filled in: the model's config.json
     torch_dtype: torch.dtype | None = None  # filled in from dtype
 
     @classmethod
@@ -44,28 +48,29 @@ class Config:
         return cls(model, **options)
 
     def __post_init__(self):
-        if not os.path.isdir(self.model):
-            raise ValueError(f"model={self.model!r} is not a directory holding config.json and weights")
-        path = os.path.join(self.model, "config.json")
-        if not os.path.isfile(path):
-            raise ValueError(f"model={self.model!r} has no config.json")
-        with open(path) as f:
-            self.hf_config = json.load(f)
+        for f in fields(self):
+            value, kind = getattr(self, f.name), {float: (int, float)}.get(f.type, f.type)
+            if isinstance(kind, type | tuple) and (not isinstance(value, kind) or
+                                                    (isinstance(value, bool) and f.type is not bool)):
+                raise TypeError(f"{f.name}={value!r} must be of type {f.type.__name__}")
+        self.hf_config = read_model_config(self.model)
         self._check_choices()
         self._check_ranges()
         if not self.device:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.tensor_parallel_size > 1:
-            self._check_tensor_parallel()
         if not self.attn_backend:
-            self.attn_backend = "sdpa" if self.device == "cpu" else "flash" if _has_flash_attn() else "triton"
+            flash = importlib.util.find_spec("flash_attn") is not None
+            self.attn_backend = "sdpa" if self.device == "cpu" else "flash" if flash else "triton"
         if self.dtype == "auto":
             name = self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "bfloat16"
             self.torch_dtype = DTYPES.get(name, torch.bfloat16) if self.device == "cuda" else torch.float32
         else:
             self.torch_dtype = DTYPES[self.dtype]
-        self.max_model_len = min(self.max_model_len, self.hf_config.get("max_position_embeddings", self.max_model_len))
+        self.max_model_len = min(self.max_model_len, self.hf_config["max_position_embeddings"])
         self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.kvcache_block_size)
+        if self.tensor_parallel_size > 1:
+            from nanovllm.engine.distributed import check_tensor_parallel
+            check_tensor_parallel(self)
 
     def _check_choices(self):
         choices = {"attn_backend": ("", *BACKENDS), "device": ("", "cuda", "cpu"),
@@ -91,22 +96,22 @@ class Config:
         if self.num_kvcache_blocks == 0 or self.num_kvcache_blocks < -1:
             raise ValueError(f"num_kvcache_blocks={self.num_kvcache_blocks} must be >= 1 (or -1: automatic)")
 
-    def _check_tensor_parallel(self):
-        """Every rank needs a GPU of its own and an equal share of the heads and of the MLP."""
-        tp, cfg = self.tensor_parallel_size, self.hf_config
-        if self.device == "cuda" and tp > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size={tp} but only {torch.cuda.device_count()} GPU(s) are visible")
-        heads = cfg["num_attention_heads"]
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        if heads % tp:
-            raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={heads}")
-        if kv_heads % tp and tp % kv_heads:  # fewer KV heads than ranks: each is replicated on tp // kv_heads ranks
-            raise ValueError(f"tensor_parallel_size={tp} must divide num_key_value_heads={kv_heads} or be a "
-                             "multiple of it")
-        if cfg["intermediate_size"] % tp:
-            raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size={cfg['intermediate_size']}")
 
-
-def _has_flash_attn() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("flash_attn") is not None
+def read_model_config(model: str) -> dict:
+    """The model directory's config.json, with the keys the engine reads filled in where optional."""
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"model={model!r} is not a directory holding config.json and weights")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    model_class(cfg)  # a ValueError naming the supported architectures
+    missing = [key for key in REQUIRED_KEYS if not isinstance(cfg.get(key), int)]
+    if missing:
+        raise ValueError(f"{path} lacks {missing} (integers every model config has)")
+    cfg["num_key_value_heads"] = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    cfg["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    cfg.setdefault("rms_norm_eps", 1e-6)
+    return cfg

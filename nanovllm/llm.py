@@ -1,6 +1,82 @@
-"""The public entry point: `LLM(model, **options).generate(prompts, sampling_params)`."""
+"""The public entry point: `LLM(model, **options).generate(prompts, sampling_params)`, and `chat`,
+`stream` and `beam_search`, each a loop over the engine's `add_request` and `step`."""
+import time
+from dataclasses import replace
+
+from tqdm.auto import tqdm
+
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import SamplingParams
 
 
 class LLM(LLMEngine):
-    pass
+    def _queue_all(self, prompts, sampling_params, output_kind: str | None = None) -> list:
+        """Validate every request, then queue them all; their request ids, in order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a string, a dict, or a list of prompts, not {type(prompts).__name__}")
+        if not isinstance(sampling_params, (list, tuple)):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
+        if output_kind is not None:  # a copy: the caller's object stays as it was
+            sampling_params = [replace(SamplingParams() if sp is None else sp, output_kind=output_kind)
+                               if isinstance(sp, SamplingParams | None) else sp for sp in sampling_params]
+        seqs = [self.input_processor.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
+        return [self._queue(seq) for seq in seqs]
+
+    def _run(self, request_ids: list):
+        """Step until these requests end, yielding their outputs (those of other requests are kept for
+        the caller's next step()); if the caller stops early, they are aborted."""
+        pending = set(request_ids)
+        try:
+            while pending:
+                for out in self.step():
+                    if out.request_id not in pending:
+                        self.held.append(out)
+                        continue
+                    if out.finished:
+                        pending.discard(out.request_id)
+                    yield out
+        finally:
+            for request_id in pending:
+                self.abort_request(request_id)
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts to completion: one RequestOutput per prompt, in order (`out.outputs[0].text`,
+        or nano-vllm's `out["text"]`). Interrupted, it aborts its requests before it raises."""
+        request_ids = self._queue_all(prompts, sampling_params, output_kind="final")
+        outputs = dict.fromkeys(request_ids)
+        bar = tqdm(total=len(request_ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        start, counts = time.perf_counter(), (self.num_prompt_tokens, self.num_generation_tokens)
+        for out in self._run(request_ids):
+            outputs[out.request_id] = out
+            seconds = time.perf_counter() - start
+            bar.set_postfix(prompt=f"{(self.num_prompt_tokens - counts[0]) / seconds:.0f}tok/s",
+                            generation=f"{(self.num_generation_tokens - counts[1]) / seconds:.0f}tok/s", refresh=False)
+            bar.update(1)
+        bar.close()
+        return list(outputs.values())
+
+    def stream(self, prompts, sampling_params=None):
+        """Generate, yielding RequestOutputs as tokens arrive (each request's text and tokens so far;
+        only the new ones with output_kind="delta"); the last one of a request has finished=True."""
+        yield from self._run(self._queue_all(prompts, sampling_params))
+
+    def chat(self, messages: list, sampling_params=None, use_tqdm: bool = True, **template_options):
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of
+        them, formatted by the tokenizer's chat template; one RequestOutput per conversation."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs the tokenizer (drop skip_tokenizer_init)")
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True,
+                                                      **template_options) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts, beam_width: int, max_tokens: int = 16, length_penalty: float = 1.0):
+        """Beam search per prompt: the beams best first, each with text, token_ids, cumulative_logprob,
+        score and finish_reason (the rules: nanovllm/engine/beam_search.py). Width 1 is greedy."""
+        from nanovllm.engine.beam_search import beam_search
+        return beam_search(self, prompts, beam_width, max_tokens, length_penalty)

@@ -1,43 +1,63 @@
-"""How one request is decoded: temperature, truncation (top-k, top-p, min-p), stopping, seeding,
-the number of parallel samples and the log-probabilities to report."""
+"""How one request is decoded (vLLM's SamplingParams): temperature, truncation, penalties, stopping,
+seeding, the number of parallel samples, the log-probabilities to report, and how its outputs stream."""
+import math
 from dataclasses import dataclass, field
+
+NUMBER = (int, float)
+RULES = {  # argument: (types, test, what is allowed)
+    "n": (int, lambda v: v >= 1, "an integer >= 1"),
+    "temperature": (NUMBER, lambda v: 0 <= v < math.inf, "a finite number >= 0 (0 means greedy)"),
+    "top_p": (NUMBER, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": (int, lambda v: v >= -1, "-1 or 0 (all tokens) or a positive integer"),
+    "min_p": (NUMBER, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "presence_penalty": (NUMBER, lambda v: -2 <= v <= 2, "a number in [-2, 2] (0 is off)"),
+    "frequency_penalty": (NUMBER, lambda v: -2 <= v <= 2, "a number in [-2, 2] (0 is off)"),
+    "repetition_penalty": (NUMBER, lambda v: 0 < v < math.inf, "a finite number > 0 (1 is off)"),
+    "max_tokens": (int, lambda v: v >= 1, "an integer >= 1"),
+    "min_tokens": (int, lambda v: v >= 0, "an integer >= 0"),
+    "seed": ((int, type(None)), lambda v: True, "None or an integer"),
+    "logprobs": ((int, type(None)), lambda v: v is None or v >= 0, "None or an integer >= 0"),
+    "ignore_eos": (bool, lambda v: True, "True or False"),
+    "skip_special_tokens": (bool, lambda v: True, "True or False"),
+    "output_kind": (str, lambda v: v in ("cumulative", "delta", "final"), "'cumulative', 'delta' or 'final'"),
+    "stop": (list, lambda v: all(isinstance(s, str) and s for s in v), "a string or a list of non-empty strings"),
+    "stop_token_ids": (list, lambda v: all(type(t) is int and t >= 0 for t in v), "a list of token ids >= 0"),
+}
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    temperature: float = 1.0      # 0 means greedy
-    top_k: int = -1               # -1 (or 0): all tokens
+    n: int = 1                      # parallel samples of the prompt; they share its KV blocks
+    temperature: float = 1.0        # 0 means greedy
     top_p: float = 1.0
+    top_k: int = -1                 # -1 (or 0): all tokens
     min_p: float = 0.0
-    max_tokens: int = 64
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = field(default_factory=list)
+    presence_penalty: float = 0.0   # OpenAI's: subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # transformers': logits of prompt and generated tokens / or * it
+    seed: int | None = None         # the same seed gives the same tokens, whatever else is in the batch
     stop: list[str] = field(default_factory=list)  # strings that end the text (not included in it)
-    seed: int | None = None       # the same seed gives the same tokens, whatever else is in the batch
-    n: int = 1                    # parallel samples of the prompt; they share the prompt's KV blocks
-    logprobs: int | None = None   # per token: the chosen token's log-probability and the top-`logprobs` ones
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens: int = 64
+    min_tokens: int = 0             # no end-of-sequence or stop token before this many tokens
+    logprobs: int | None = None     # per token: the chosen token's log-probability and the top ones
+    skip_special_tokens: bool = True
+    output_kind: str = "cumulative"  # what step() reports: the text so far, only what is new, or the end
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k={self.top_k} must be -1 (off), 0 (off) or a positive integer")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens} must be an integer >= 1")
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n={self.n} must be an integer >= 1")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise ValueError(f"logprobs={self.logprobs} must be None or an integer >= 0")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids={self.stop_token_ids} must be non-negative integers")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop={self.stop} must be non-empty strings")
+        if isinstance(self.stop, (str, tuple)):
+            self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
+        for name, (types, test, allowed) in RULES.items():
+            value = getattr(self, name)
+            if not isinstance(value, types) or (isinstance(value, bool) and types is not bool):
+                raise TypeError(f"{name}={value!r} must be {allowed}")
+            if not test(value):
+                raise ValueError(f"{name}={value!r} must be {allowed}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
 
     @property
     def greedy(self) -> bool:

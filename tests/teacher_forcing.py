@@ -6,27 +6,26 @@ can be compared position by position even where greedy decoding of near-flat log
 import torch
 
 from nanovllm import SamplingParams
+from nanovllm.engine.model_runner import step_inputs
 
 
 def engine_logits(llm, sequences: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:
     """For each sequence, the logits [len - prompt_len, vocab] predicting tokens prompt_len.. of it."""
     seqs = []
     for tokens, p in zip(sequences, prompt_lens):
-        seq = llm.make_sequence(tokens[:p], SamplingParams(max_tokens=len(tokens) - p, ignore_eos=True))
+        params = SamplingParams(max_tokens=len(tokens) - p, ignore_eos=True)
+        seq = llm.input_processor.make_sequence(tokens[:p], params)
         llm.scheduler.add(seq)
         seqs.append((seq, tokens))
     full = {seq.seq_id: tokens for seq, tokens in seqs}
     rows = {seq.seq_id: [] for seq, _ in seqs}
     while llm.scheduler.has_unfinished():
         batch = llm.scheduler.schedule()
-        logits = llm.model_runner.compute_logits(batch).float().cpu()
-        forced = [full[s.seq_id][min(s.num_computed_tokens + n, len(full[s.seq_id]) - 1)]
-                  for s, n in zip(batch.seqs, batch.num_new_tokens)]
-        llm.scheduler.advance(batch)
-        got = llm.scheduler.postprocess(batch, forced)
-        for seq, _ in got:
-            rows[seq.seq_id].append(logits[batch.seqs.index(seq)])
-        llm.scheduler.finish([seq for seq, position in got if llm._check_finished(seq, position)])
+        logits = llm.model_runner.execute(step_inputs(batch, llm.config.kvcache_block_size)).float().cpu()
+        forced = [full[seq.seq_id][position] for seq, _, position in batch.sampled]
+        for seq, row, _ in batch.sampled:
+            rows[seq.seq_id].append(logits[row])
+        llm.scheduler.update(batch, forced, None, llm.output_processor.check_stop)
     return [torch.stack(rows[seq.seq_id]) for seq, _ in seqs]
 
 

@@ -70,7 +70,7 @@ def test_max_tokens_ends_with_length(llm, prompts, full):
 
 def test_ignore_eos_runs_past_eos(llm, prompts, full):
     answer = full[0]["token_ids"]
-    assert answer[-1] in llm.eos_token_ids
+    assert answer[-1] in llm.output_processor.eos_token_ids
     out, = llm.generate(prompts[:1], greedy(max_tokens=len(answer) + 6, ignore_eos=True), use_tqdm=False)
     assert out["token_ids"][:len(answer)] == answer
     assert len(out["token_ids"]) == len(answer) + 6 and out["finish_reason"] == "length"
@@ -103,13 +103,15 @@ def test_per_prompt_sampling_params(llm, prompts, full):
 def test_add_request_and_step_equal_generate(llm, prompts, full):
     ids = [llm.add_request(p, SamplingParams(temperature=0, max_tokens=24)) for p in prompts]
     assert len(set(ids)) == len(ids) and not llm.is_finished()
-    finished, steps = {}, 0
+    finished, steps, seen = {}, 0, {}
     while not llm.is_finished():
-        outputs, num_tokens = llm.step()
+        outputs = llm.step()
         steps += 1
-        assert num_tokens != 0 or llm.is_finished()  # the last step may only read the step launched before it
-        for out in outputs:
-            finished[out["request_id"]] = out
+        for out in outputs:  # every request with new tokens, its tokens so far (cumulative)
+            assert len(out.outputs[0].token_ids) > len(seen.get(out.request_id, []))
+            seen[out.request_id] = out.outputs[0].token_ids
+            if out.finished:
+                finished[out["request_id"]] = out
     assert sorted(finished) == sorted(ids)
     assert [finished[i]["token_ids"] for i in ids] == token_ids(full)
     assert [finished[i]["text"] for i in ids] == [o["text"] for o in full]
@@ -127,7 +129,7 @@ def test_repeated_prompt_is_served_from_the_prefix_cache(llm, prompts):
 
 def test_step_on_an_idle_engine_does_nothing(llm):
     assert llm.is_finished()
-    assert llm.step() == ([], 0)
+    assert llm.step() == []
 
 
 def test_single_string_prompt(llm):

@@ -6,7 +6,7 @@ import pytest
 
 from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import BlockManager, hash_block
-from nanovllm.engine.sequence import Sequence, num_blocks_for, slot_of
+from nanovllm.engine.sequence import Sequence, num_blocks_for, slot_mapping
 
 BS = 4  # tokens per block
 
@@ -28,9 +28,11 @@ def test_num_blocks_for(num_tokens, expected):
     assert num_blocks_for(num_tokens, BS) == expected
 
 
-def test_slot_of():
+def test_slot_mapping():
     table = [7, 2, 5]
-    assert [slot_of(table, p, BS) for p in (0, 3, 4, 5, 8, 11)] == [28, 31, 8, 9, 20, 23]
+    assert [slot_mapping(table, p, p + 1, BS)[0] for p in (0, 3, 4, 5, 8, 11)] == [28, 31, 8, 9, 20, 23]
+    assert slot_mapping(table, 2, 10, BS) == [30, 31, 8, 9, 10, 11, 20, 21]  # runs across blocks
+    assert slot_mapping(table, 4, 8, BS) == [8, 9, 10, 11] and slot_mapping(table, 3, 3, BS) == []
 
 
 def test_hash_block_chains():
@@ -70,14 +72,14 @@ def test_append_blocks_grows_the_table_at_block_boundaries():
     seq = seq_of(range(4))
     bm.allocate(seq)
     compute(bm, seq)
-    assert bm.num_blocks_to_append(seq) == 0
+    assert bm.num_blocks_to_append([seq]) == 0
     seq.append_token(99)  # token 4 starts block 1
-    assert bm.num_blocks_to_append(seq) == 1
+    assert bm.num_blocks_to_append([seq]) == 1
     bm.append_blocks(seq)
-    assert len(seq.block_table) == 2 and bm.num_blocks_to_append(seq) == 0
+    assert len(seq.block_table) == 2 and bm.num_blocks_to_append([seq]) == 0
     for t in range(3):
         seq.append_token(t)
-        assert bm.num_blocks_to_append(seq) == 0  # tokens 5..7 fit in block 1
+        assert bm.num_blocks_to_append([seq]) == 0  # tokens 5..7 fit in block 1
 
 
 def test_shared_prefix_shares_blocks_with_ref_counts():

@@ -41,7 +41,7 @@ def test_smollm2_matches_transformers(smol_llm, smol_hf):
     lengths = sorted(len(p) for p in prompts)
     assert len(prompts) >= 8 and lengths[0] <= 8 and lengths[-1] >= 250, lengths
     outputs = smol_llm.generate(prompts, GREEDY, use_tqdm=False)
-    eos = smol_llm.eos_token_ids
+    eos = smol_llm.output_processor.eos_token_ids
     assert eos == {smol_hf.generation_config.eos_token_id}
     for prompt, out in zip(prompts, outputs):
         expected = until_eos(hf_greedy(smol_hf, prompt, MAX_NEW), eos)

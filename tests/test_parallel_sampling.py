@@ -58,7 +58,7 @@ def test_copy_on_write_copies_a_shared_partial_block_once_per_extra_writer():
     shared = parent.block_table[2]
     for seq, token in ((parent, 100), (child, 200)):
         seq.append_token(token)  # both write token 10 into the shared block 2
-    assert bm.num_blocks_to_append(parent, child) == 1  # the last writer keeps the block
+    assert bm.num_blocks_to_append([parent, child]) == 1  # the last writer keeps the block
     assert bm.append_blocks(child) == [(shared, child.block_table[2])]
     assert child.block_table[:2] == parent.block_table[:2] and child.block_table[2] != shared
     assert bm.blocks[shared].ref_count == 1
@@ -72,7 +72,7 @@ def test_a_full_shared_block_is_never_copied():
     child = parent.fork()
     bm.fork(parent, child)
     child.append_token(1)
-    assert bm.num_blocks_to_append(child) == 1 and bm.append_blocks(child) == []  # a new block, no copy
+    assert bm.num_blocks_to_append([child]) == 1 and bm.append_blocks(child) == []  # a new block, no copy
     assert child.block_table[:2] == parent.block_table
 
 
@@ -152,13 +152,14 @@ def test_logprobs_zero_reports_the_chosen_token_only(model):
                        use_tqdm=False)[0]
     assert [list(lp) for lp in out["logprobs"]] == [[t] for t in out["token_ids"]]
     assert all(lp[t] <= 0 for t, lp in zip(out["token_ids"], out["logprobs"]))
-    assert "logprobs" not in llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)[0]["logprobs"] is None
 
 
-@pytest.mark.parametrize("kwargs, name", [(dict(n=0), "n="), (dict(n=-2), "n="), (dict(n=1.5), "n="),
-                                          (dict(logprobs=-1), "logprobs="), (dict(logprobs=0.5), "logprobs=")])
-def test_bad_sampling_params_name_the_argument(kwargs, name):
-    with pytest.raises(ValueError, match=name):
+@pytest.mark.parametrize("kwargs, name, error", [
+    (dict(n=0), "n=", ValueError), (dict(n=-2), "n=", ValueError), (dict(n=1.5), "n=", TypeError),
+    (dict(logprobs=-1), "logprobs=", ValueError), (dict(logprobs=0.5), "logprobs=", TypeError)])
+def test_bad_sampling_params_name_the_argument(kwargs, name, error):
+    with pytest.raises(error, match=name):
         SamplingParams(**kwargs)
 
 

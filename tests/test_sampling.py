@@ -8,6 +8,7 @@ import torch
 
 from nanovllm import SamplingParams
 from nanovllm.layers.sampler import SamplingTensors, sample
+from nanovllm.layers.truncation import Truncation
 from tests.helpers import hf_greedy, make_llm, random_prompts, token_ids
 
 N = 32
@@ -91,9 +92,9 @@ def draw(temperature=1.0, top_k=None, top_p=None, min_p=None, logits=None) -> to
     """Token frequencies [vocab] of DRAWS samples of one row (a batch of DRAWS copies)."""
     logits = (PROBS.log() if logits is None else logits).repeat(DRAWS, 1)
     full = lambda v, dtype: None if v is None else torch.full((DRAWS,), v, dtype=dtype)  # noqa: E731
-    t = SamplingTensors(temperatures=torch.full((DRAWS,), float(temperature)), top_ks=full(top_k, torch.int64),
-                        top_ps=full(top_p, torch.float32), min_ps=full(min_p, torch.float32), seeds=[],
-                        all_greedy=False)
+    truncation = Truncation(full(top_k, torch.int64), full(top_p, torch.float32), full(min_p, torch.float32))
+    t = SamplingTensors(temperatures=torch.full((DRAWS,), float(temperature)), seeds=[], all_greedy=False,
+                        truncation=truncation if (top_k, top_p, min_p) != (None, None, None) else None)
     torch.manual_seed(0)
     tokens = sample(logits, t)
     return torch.bincount(tokens, minlength=len(PROBS)).float() / DRAWS
@@ -150,9 +151,8 @@ def test_truncations_combine_in_order():
 
 def test_rows_are_independent_and_greedy_rows_take_the_argmax():
     logits = torch.randn(6, 100)
-    t = SamplingTensors(temperatures=torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 1.0]),
-                        top_ks=torch.tensor([100, 1, 100, 100, 100, 100]), top_ps=None, min_ps=None,
-                        seeds=[(5, 77)], all_greedy=False)
+    t = SamplingTensors(temperatures=torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 1.0]), seeds=[(5, 77)],
+                        all_greedy=False, truncation=Truncation(torch.tensor([100, 1, 100, 100, 100, 100]), None, None))
     tokens = sample(logits, t)
     argmax = logits.argmax(-1)
     assert tokens[[0, 2, 4, 1]].tolist() == argmax[[0, 2, 4, 1]].tolist()  # row 1: top_k=1
@@ -165,8 +165,7 @@ def test_rows_are_independent_and_greedy_rows_take_the_argmax():
 def test_greedy_rows_among_plain_temperature_rows_take_the_argmax():
     """Rows with temperature 0 in a batch sampled without truncation or seeds (the one-pass path)."""
     logits = torch.randn(6, 100)
-    t = SamplingTensors(temperatures=torch.tensor([0.0, 1.0] * 3), top_ks=None, top_ps=None, min_ps=None, seeds=[],
-                        all_greedy=False)
+    t = SamplingTensors(temperatures=torch.tensor([0.0, 1.0] * 3), seeds=[], all_greedy=False)
     assert sample(logits, t)[::2].tolist() == logits.argmax(-1)[::2].tolist()
 
 

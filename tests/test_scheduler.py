@@ -7,13 +7,19 @@ from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.swap import Swapper
 
 BS = 4
 
 
-def make(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, prefix_caching=True):
-    config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+def make(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, prefix_caching=True, prefill_first=False):
+    config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             prefill_first=prefill_first)
     return Scheduler(config, BlockManager(num_blocks, BS, prefix_caching))
+
+
+def never(seq, position):
+    return False
 
 
 def add(sched, *lengths, start=0) -> list[Sequence]:
@@ -28,16 +34,20 @@ def add(sched, *lengths, start=0) -> list[Sequence]:
 def step(sched, token=7):
     """Schedule and record one fake model step that samples `token` for every sequence."""
     batch = sched.schedule()
-    sched.advance(batch)
-    sched.postprocess(batch, [token] * len(batch.seqs))
+    sched.update(batch, [token] * len(batch.sampled), None, never)
     return batch
+
+
+def decode_only(batch) -> bool:
+    return batch.num_decodes == len(batch.seqs)
 
 
 def test_prefill_is_first_come_first_served():
     sched = make()
     seqs = add(sched, 5, 3, 8)
     batch = sched.schedule()
-    assert batch.is_prefill and batch.seqs == seqs and batch.num_new_tokens == [5, 3, 8]
+    assert dict(zip(batch.seqs, batch.num_new_tokens)) == dict(zip(seqs, [5, 3, 8]))
+    assert batch.seqs == [seqs[2], seqs[0], seqs[1]]  # longest first
     assert list(sched.running) == seqs and not sched.waiting
     assert all(s.status == SequenceStatus.RUNNING for s in seqs)
 
@@ -48,48 +58,66 @@ def test_decode_steps_every_running_sequence():
     step(sched)
     assert [s.num_tokens for s in seqs] == [6, 4]
     batch = step(sched, token=9)
-    assert not batch.is_prefill and batch.seqs == seqs and batch.num_new_tokens == [1, 1]
+    assert decode_only(batch) and batch.seqs == seqs and batch.num_new_tokens == [1, 1]
     assert [s.token_ids[-2:] for s in seqs] == [[7, 9], [7, 9]]
     assert [s.num_computed_tokens for s in seqs] == [6, 4]
 
 
-def test_max_num_seqs_limits_the_batch():
-    sched = make(max_num_seqs=2)
+@pytest.mark.parametrize("prefill_first", [False, True])
+def test_max_num_seqs_limits_the_batch(prefill_first):
+    sched = make(max_num_seqs=2, prefill_first=prefill_first)
     seqs = add(sched, 3, 3, 3)
     assert step(sched).seqs == seqs[:2]
     batch = step(sched)  # the third waits: two are running already
-    assert not batch.is_prefill and batch.seqs == seqs[:2]
+    assert decode_only(batch) and batch.seqs == seqs[:2]
     assert list(sched.waiting) == seqs[2:]
     sched.finish([seqs[0]])
-    assert step(sched).seqs == [seqs[2]]
+    # one kind of step: the decode and the new prompt together; prefill-first: the prompt alone
+    assert step(sched).seqs == ([seqs[2]] if prefill_first else [seqs[1], seqs[2]])
     assert list(sched.running) == [seqs[1], seqs[2]]
 
 
-def test_token_budget_limits_the_batch_and_chunks_the_last_prompt():
-    sched = make(max_num_batched_tokens=25)
+@pytest.mark.parametrize("prefill_first", [False, True])
+def test_token_budget_limits_the_batch_and_chunks_the_last_prompt(prefill_first):
+    sched = make(max_num_batched_tokens=25, prefill_first=prefill_first)
     s1, s2, s3 = add(sched, 10, 10, 10)
     batch = step(sched)
     assert batch.seqs == [s1, s2, s3] and batch.num_new_tokens == [10, 10, 5]
-    assert s3.status == SequenceStatus.WAITING and s3.num_computed_tokens == 5
+    assert s3.status == SequenceStatus.RUNNING and s3.num_computed_tokens == 5
     assert s3.num_tokens == 10  # a partial prefill samples nothing
     assert [s.num_tokens for s in (s1, s2)] == [11, 11]
-    batch = step(sched)  # the partial prefill goes on before any decode
-    assert batch.is_prefill and batch.seqs == [s3] and batch.num_new_tokens == [5]
-    assert s3.status == SequenceStatus.RUNNING and s3.num_tokens == 11
+    batch = step(sched)  # the rest of the prompt, with the decodes unless prefill comes first
+    if prefill_first:
+        assert batch.seqs == [s3] and batch.num_new_tokens == [5]
+    else:
+        assert batch.seqs == [s1, s2, s3] and batch.num_new_tokens == [1, 1, 5]
+    assert s3.num_tokens == 11
 
 
 def test_chunked_prefill_of_a_long_prompt():
     sched = make(max_num_batched_tokens=16)
     seq, = add(sched, 40)
     chunks = []
-    while seq.status == SequenceStatus.WAITING:
+    while seq.num_computed_tokens < 40:
         batch = step(sched)
-        assert batch.is_prefill and batch.seqs == [seq]
+        assert batch.seqs == [seq] and not decode_only(batch)
         chunks.append(batch.num_new_tokens[0])
     assert chunks == [16, 16, 8]
     assert seq.num_computed_tokens == 40 and seq.num_tokens == 41
     assert seq.num_hashed_blocks == 10  # every full block registered as it was computed
-    assert not step(sched).is_prefill
+    assert decode_only(step(sched))
+
+
+def test_decodes_share_steps_with_a_long_prompt():
+    """A prompt that arrives while a sequence decodes is prefilled in chunks beside its decode steps:
+    the decode never stalls (Sarathi-Serve)."""
+    sched = make(max_num_batched_tokens=8)
+    old, = add(sched, 4)
+    step(sched)
+    new, = add(sched, 20, start=50)
+    for chunk in (7, 7, 6):
+        batch = step(sched)
+        assert batch.seqs == [old, new] and batch.num_new_tokens == [1, chunk]
 
 
 def test_waiting_request_that_does_not_fit_waits():
@@ -140,8 +168,8 @@ def test_preempted_sequence_recomputes_and_hits_its_own_cached_blocks():
     assert list(sched.waiting) == [s2]
     sched.finish([s1])
     batch = sched.schedule()  # s2 comes back: its 8 prompt tokens were registered, only the rest is computed
-    assert batch.is_prefill and batch.seqs == [s2]
-    assert batch.num_new_tokens == [1] and s2.num_computed_tokens == 8
+    assert batch.seqs == [s2]
+    assert batch.num_new_tokens == [1] and batch.starts == [8]
     assert s2.num_cached_tokens == 0  # the report is about the first admission only
 
 
@@ -161,17 +189,17 @@ def test_finish_frees_blocks_and_leaves_running():
 def test_sequence_preempted_before_its_last_token_is_read_finishes_cleanly(mode):
     """The engine schedules step t+1 before it reads step t: a sequence preempted by step t+1 can turn out to have
     ended at step t. Finishing it must take it out of the waiting queue (or the swapped groups) and free its blocks."""
-    config = SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=64, preemption_mode=mode)
-    bm = BlockManager(4, BS, True, num_cpu_blocks=8)
-    sched = Scheduler(config, bm)
+    sched = make(num_blocks=4)
+    bm = sched.block_manager
+    if mode == "swap":
+        sched.swap = Swapper(bm, 8)
     a, b = add(sched, 8, 8)  # two full blocks each: the whole cache
     prefill = sched.schedule()
-    sched.advance(prefill)
     assert [s.token_ids[8] for s in (a, b)] == [-1, -2]  # placeholders: rows 0 and 1 of the prefill's tokens
     decode = sched.schedule()  # a's next token needs a third block: b, the newest, gives way
     assert decode.seqs == [a] and b.status == (SequenceStatus.SWAPPED if mode == "swap" else SequenceStatus.WAITING)
     assert bool(decode.swap_out) == (mode == "swap")
-    assert sched.postprocess(prefill, [5, 6]) == [(a, 8), (b, 8)] and b.token_ids[8] == 6
-    sched.finish([b])  # token 6 ended b
-    assert b.is_finished and not sched.waiting and not sched.swapped and list(sched.running) == [a]
-    assert bm.num_free_blocks == 1 and len(bm.free_cpu_blocks) == 8
+    assert sched.update(prefill, [5, 6], None, lambda seq, position: seq is b) == [(a, 8), (b, 8)]
+    assert b.token_ids[8] == 6 and b.is_finished  # token 6 ended b
+    assert not sched.waiting and not (sched.swap and sched.swap.swapped) and list(sched.running) == [a]
+    assert bm.num_free_blocks == 1 and (mode == "recompute" or len(sched.swap.free_cpu_blocks) == 8)

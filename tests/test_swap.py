@@ -1,6 +1,8 @@
 """Swap preemption: a preempted group's blocks go to the CPU pool and come back without recomputation;
 outputs equal those of recomputation and of an unconstrained engine."""
 import random
+from collections import deque
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.swap import Swapper
 from tests.sharing_helpers import build_tiny_llama, make_llm
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -38,8 +41,10 @@ def run(llm, batch, params):
 
     def recording():
         batch = schedule()
-        stats["prefilled"] += sum(batch.num_new_tokens) if batch.is_prefill else 0
-        stats["swapped_group"] = max([stats["swapped_group"], *map(len, llm.scheduler.swapped)])
+        stats["prefilled"] += sum(max(0, min(start + n, seq.num_prompt_tokens) - start)  # prompt tokens
+                                  for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens))
+        swapped = llm.scheduler.swap.swapped if llm.scheduler.swap else []
+        stats["swapped_group"] = max([stats["swapped_group"], *map(len, swapped)])
         return batch
     llm.scheduler.schedule = recording
     outputs = llm.generate(batch, params, use_tqdm=False)
@@ -59,14 +64,14 @@ def test_swap_and_recompute_give_the_same_tokens(path, reference, prefix_caching
     swapped, swap_stats = run(swap, batch, GREEDY)
     recomputed, recompute_stats = run(recompute, batch, GREEDY)
     assert samples(swapped) == samples(recomputed) == expected
-    s = swap.scheduler
-    assert s.num_preemptions > 0 and s.num_swapped_out_blocks > 0
+    s = swap.scheduler.swap
+    assert swap.scheduler.num_preemptions > 0 and s.num_swapped_out_blocks > 0
     assert s.num_swapped_in_blocks == s.num_swapped_out_blocks  # every block came back
     assert swap_stats["prefilled"] == sum(map(len, batch))  # nothing was recomputed
     assert recompute_stats["prefilled"] > sum(map(len, batch))
-    assert recompute.scheduler.num_swapped_out_blocks == 0
+    assert recompute.scheduler.swap is None
     assert swap.block_manager.num_free_blocks == 8
-    assert len(swap.block_manager.free_cpu_blocks) == swap.model_runner.num_cpu_blocks
+    assert len(s.free_cpu_blocks) == swap.model_runner.swap_space.num_blocks
 
 
 def test_sample_groups_are_swapped_whole_and_keep_their_kv(path, reference):
@@ -76,7 +81,7 @@ def test_sample_groups_are_swapped_whole_and_keep_their_kv(path, reference):
     expected = reference.generate(batch, params, use_tqdm=False)
     swap = make_llm(path, num_kvcache_blocks=15, **SWAP)
     outputs, stats = run(swap, batch, params)
-    assert swap.scheduler.num_swapped_out_blocks > 0 and stats["swapped_group"] == 3
+    assert swap.scheduler.swap.num_swapped_out_blocks > 0 and stats["swapped_group"] == 3
     assert samples(outputs) == samples(expected)
     for out, ref in zip(outputs, expected):
         for o, r in zip(out["outputs"], ref["outputs"]):
@@ -92,12 +97,13 @@ def test_beam_search_under_preemption(path, reference, mode):
     beams = llm.beam_search(batch, beam_width=3, max_tokens=20)
     assert llm.scheduler.num_preemptions > 0
     assert [[b["token_ids"] for b in r] for r in beams] == [[b["token_ids"] for b in r] for r in expected]
-    assert (llm.scheduler.num_swapped_out_blocks > 0) == (mode is SWAP)
+    assert (llm.scheduler.swap is not None and llm.scheduler.swap.num_swapped_out_blocks > 0) == (mode is SWAP)
     assert llm.block_manager.num_free_blocks == 12
 
 
 def test_swap_out_and_in_keep_sharing_within_a_group():
-    bm = BlockManager(8, 4, num_cpu_blocks=6)
+    bm = BlockManager(8, 4)
+    swapper = Swapper(bm, 6)
     parent = Sequence(list(range(10)), SamplingParams(), 4)
     assert bm.allocate(parent)
     parent.num_computed_tokens = 10
@@ -107,15 +113,26 @@ def test_swap_out_and_in_keep_sharing_within_a_group():
     bm.append_blocks(child)  # copy-on-write: the child owns its own block 2
     group = [parent, child]
     gpu_tables = [list(s.block_table) for s in group]
-    pairs = bm.swap_out(group)
-    assert sorted(g for g, _ in pairs) == sorted(set(gpu_tables[0] + gpu_tables[1]))  # 4 distinct blocks, once each
-    assert bm.num_free_blocks == 8 and len(bm.free_cpu_blocks) == 2
+    out = ScheduledBatch()
+    assert swapper.swap_out(group, out)
+    assert sorted(g for g, _ in out.swap_out) == sorted(set(gpu_tables[0] + gpu_tables[1]))  # 4 blocks, once each
+    assert bm.num_free_blocks == 8 and len(swapper.free_cpu_blocks) == 2
     assert parent.block_table[:2] == child.block_table[:2]  # the shared blocks share one CPU copy
-    for s in group:
-        s.status = SequenceStatus.SWAPPED
-    assert bm.can_swap_in(group) and not bm.can_swap_in(group, num_reserved=5)
-    back = bm.swap_in(group)
-    assert len(back) == 4 and len(bm.free_cpu_blocks) == 6 and bm.num_free_blocks == 4
+    assert all(s.status == SequenceStatus.SWAPPED for s in group)
+    other = Sequence(list(range(50, 62)), SamplingParams(), 4)
+    assert bm.allocate(other)
+    assert not swapper.swap_out([other], out) and other.block_table  # 3 blocks, 2 CPU blocks free: it stays
+    bm.free(other)
+    holder = Sequence(list(range(100, 120)), SamplingParams(), 4)  # 5 blocks: 3 stay free, the group needs 4
+    assert bm.allocate(holder)
+    sched = SimpleNamespace(running=deque())
+    swapper.swap_in(sched, ScheduledBatch())
+    assert not sched.running and list(swapper.swapped) == [group]
+    bm.free(holder)
+    back = ScheduledBatch()
+    swapper.swap_in(sched, back)
+    assert list(sched.running) == group and len(back.swap_in) == 4
+    assert len(swapper.free_cpu_blocks) == 6 and bm.num_free_blocks == 4
     assert parent.block_table[:2] == child.block_table[:2] and parent.block_table[2] != child.block_table[2]
     assert [bm.blocks[b].ref_count for b in parent.block_table] == [2, 2, 1]
 
@@ -123,16 +140,17 @@ def test_swap_out_and_in_keep_sharing_within_a_group():
 def test_block_copies_move_the_right_data_in_the_right_order(path):
     """Swap in, swap out, copy-on-write: each one index copy over all layers, in the order the scheduler made them."""
     llm = make_llm(path, num_kvcache_blocks=8, **SWAP)
-    runner = llm.model_runner
-    runner.kv_cache.copy_(torch.randn_like(runner.kv_cache))
-    before = runner.kv_cache.clone()
-    runner.move_blocks(ScheduledBatch([], [], False, swap_out=[(1, 5), (2, 6)]))
-    assert torch.equal(runner.cpu_cache[:, :, [5, 6]], before[:, :, [1, 2]])
+    kv, swap_space = llm.model_runner.kv_cache, llm.model_runner.swap_space
+    kv.tensor.copy_(torch.randn_like(kv.tensor))
+    before = kv.tensor.clone()
+    swap_space.move([], [(1, 5), (2, 6)])
+    assert torch.equal(swap_space.cpu_cache[:, :, [5, 6]], before[:, :, [1, 2]])
     # CPU block 6 comes back into block 1 and is reused by block 3 going out; block 3 then takes a copy of block 1
-    runner.move_blocks(ScheduledBatch([], [], False, swap_in=[(6, 1)], swap_out=[(3, 6)], copies=[(1, 3)]))
-    assert torch.equal(runner.cpu_cache[:, :, 6], before[:, :, 3])
-    assert torch.equal(runner.kv_cache[:, :, [1, 3]], before[:, :, [2, 2]])
-    assert torch.equal(runner.kv_cache[:, :, [0, 2, 4, 5, 6, 7]], before[:, :, [0, 2, 4, 5, 6, 7]])
+    swap_space.move([(6, 1)], [(3, 6)])
+    kv.copy_blocks([(1, 3)])
+    assert torch.equal(swap_space.cpu_cache[:, :, 6], before[:, :, 3])
+    assert torch.equal(kv.tensor[:, :, [1, 3]], before[:, :, [2, 2]])
+    assert torch.equal(kv.tensor[:, :, [0, 2, 4, 5, 6, 7]], before[:, :, [0, 2, 4, 5, 6, 7]])
 
 
 @pytest.mark.parametrize("options, name", [
@@ -156,8 +174,9 @@ def test_stop_tokens_while_preempting_keep_outputs_and_free_everything(path, ref
     params = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=stops)
     expected = samples(reference.generate(batch, params, use_tqdm=False))
     assert len({len(s[0]) for s in expected}) > 2  # the requests end at different steps
-    llm = make_llm(path, num_kvcache_blocks=8, **(SWAP if mode == "swap" else {}))
+    llm = make_llm(path, num_kvcache_blocks=7, **(SWAP if mode == "swap" else {}))
     assert samples(llm.generate(batch, params, use_tqdm=False)) == expected
     assert llm.scheduler.num_preemptions > 0 and llm.is_finished()
-    assert llm.block_manager.num_free_blocks == 8
-    assert len(llm.block_manager.free_cpu_blocks) == llm.model_runner.num_cpu_blocks
+    assert llm.block_manager.num_free_blocks == 7
+    if mode == "swap":
+        assert len(llm.scheduler.swap.free_cpu_blocks) == llm.model_runner.swap_space.num_blocks

@@ -1,6 +1,5 @@
 """Tensor parallelism on CPU over gloo: the same greedy tokens as one rank, nothing left behind, clear errors."""
 import gc
-import multiprocessing
 import os
 import signal
 import socket
@@ -55,6 +54,21 @@ def is_running(pid: int) -> bool:
         return False
 
 
+def live_children() -> list[int]:
+    """Pids of this process's children that are still running (workers are subprocesses)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if int(fields[1]) == os.getpid() and fields[0] not in ("Z", "X"):
+                pids.append(int(entry))
+    return pids
+
+
 def port_is_free(port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # connections in TIME_WAIT don't count
@@ -70,9 +84,9 @@ def port_is_free(port: int) -> bool:
 def test_two_ranks_give_the_tokens_of_one(models, name):
     expected = greedy_tokens(LLM(models[name], **OPTIONS))
     with LLM(models[name], tensor_parallel_size=2, **OPTIONS) as llm:
-        assert len(multiprocessing.active_children()) == 1
+        assert len(live_children()) == 1
         assert greedy_tokens(llm) == expected
-    assert multiprocessing.active_children() == []
+    assert live_children() == []
 
 
 def test_shutdown_leaves_no_process_or_port(models):
@@ -83,8 +97,8 @@ def test_shutdown_leaves_no_process_or_port(models):
     procs = llm.workers.procs
     llm.shutdown()
     llm.shutdown()  # twice is harmless
-    assert [p.exitcode for p in procs] == [0]  # the worker stopped on rank 0's message, not by a signal
-    assert multiprocessing.active_children() == []
+    assert [p.returncode for p in procs] == [0]  # the worker stopped on rank 0's message, not by a signal
+    assert live_children() == []
     assert not any(is_running(pid) for pid in pids)
     assert port_is_free(port)
     with pytest.raises(RuntimeError, match="shut down"):
@@ -99,8 +113,8 @@ def test_two_engines_side_by_side(models):
     a.add_request(PROMPTS[1], GREEDY)
     b.add_request(PROMPTS[1], GREEDY)
     while not (a.is_finished() and b.is_finished()):  # steps of the two engines interleave
-        done_a = a.step()[0] if not a.is_finished() else []
-        done_b = b.step()[0] if not b.is_finished() else []
+        done_a = [o for o in a.step() if o.finished] if not a.is_finished() else []
+        done_b = [o for o in b.step() if o.finished] if not b.is_finished() else []
         for out in done_a:
             assert out["token_ids"] == expected["qwen3"][1]
         for out in done_b:
@@ -108,10 +122,10 @@ def test_two_engines_side_by_side(models):
     assert greedy_tokens(a) == expected["qwen3"]
     del a  # collected without shutdown(): its worker stops all the same
     gc.collect()
-    assert len(multiprocessing.active_children()) == 1
+    assert len(live_children()) == 1
     assert greedy_tokens(b) == expected["llama_tied"]
     b.shutdown()
-    assert multiprocessing.active_children() == []
+    assert live_children() == []
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -139,15 +153,29 @@ def test_workers_die_with_the_engine_process(models):
     assert not any(is_running(pid) for pid in pids)
 
 
+def test_a_script_read_from_stdin_without_a_main_guard(models):
+    """Workers are `python -m` processes: nothing re-imports the user's script (spawned workers would fail
+    on a script read from stdin, and would run a script without `if __name__ == "__main__":` again)."""
+    script = (f"from nanovllm import LLM, SamplingParams\n"
+              f"llm = LLM({models['qwen3']!r}, tensor_parallel_size=2, **{OPTIONS!r})\n"
+              f"out = llm.generate([{PROMPTS[1]!r}], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), "
+              f"use_tqdm=False)\nprint('TOKENS', out[0]['token_ids'])\n")
+    expected = greedy_tokens(LLM(models["qwen3"], **OPTIONS))[1]
+    result = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": ROOT})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"TOKENS {expected}" in result.stdout
+
+
 def test_a_dead_worker_fails_the_step_instead_of_hanging(models):
     llm = LLM(models["qwen3"], tensor_parallel_size=2, **OPTIONS)
     worker = llm.workers.procs[0]
     os.kill(worker.pid, signal.SIGKILL)
-    worker.join()
+    worker.wait()
     with pytest.raises(RuntimeError):
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     llm.shutdown()
-    assert multiprocessing.active_children() == []
+    assert live_children() == []
 
 
 def test_error_during_start_leaves_no_process(models, tmp_path):
@@ -156,7 +184,7 @@ def test_error_during_start_leaves_no_process(models, tmp_path):
     with pytest.raises(ValueError, match="safetensors"):
         LLM(str(tmp_path), tensor_parallel_size=2, **OPTIONS)
     gc.collect()
-    assert multiprocessing.active_children() == []
+    assert live_children() == []
 
 
 @pytest.mark.parametrize("overrides, tp, match", [
@@ -168,7 +196,7 @@ def test_sizes_that_do_not_split_are_refused(tmp_path, overrides, tp, match):
     Qwen3Config(**{**DIMS, **overrides}).save_pretrained(tmp_path)  # config.json alone: refused before loading
     with pytest.raises(ValueError, match=match):
         LLM(str(tmp_path), tensor_parallel_size=tp, **OPTIONS)
-    assert multiprocessing.active_children() == []
+    assert live_children() == []
 
 
 def test_more_ranks_than_gpus_is_refused(tmp_path, monkeypatch):

@@ -22,11 +22,12 @@ if not torch.cuda.is_available() and isinstance(tl.max, JITFunction):  # triton 
     pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (by a conftest?): run with "
                 "TRITON_INTERPRET=1 in the environment", allow_module_level=True)
 
-from nanovllm.attention import AttentionMetadata  # noqa: E402
+from nanovllm.attention import QUERY_TILE, AttentionMetadata, query_tiles  # noqa: E402
+from nanovllm.attention.paged_attention import store_kv  # noqa: E402
 from nanovllm.attention.triton import TritonBackend  # noqa: E402
 from nanovllm.kernels import decode_attention, num_decode_splits, prefill_attention, rope_store  # noqa: E402
 from nanovllm.kernels.decode import MAX_SPLITS  # noqa: E402
-from nanovllm.layers.rotary import RotaryEmbedding, norm_rope, store_kv  # noqa: E402
+from nanovllm.layers.rotary import RotaryEmbedding, norm_rope  # noqa: E402
 
 HEAD_DIMS = [64, 128]
 HEAD_RATIOS = [(2, 2), (4, 2), (3, 1), (4, 1), (8, 1)]  # (query heads, KV heads): groups of 1, 2, 3, 4, 8
@@ -134,14 +135,21 @@ def test_rope_store_matches_the_plain_rotary_and_store(num_heads, num_kv_heads, 
 
 # ---------- prefill ----------
 
+def tiles_of(q_lens, device, first=0):
+    cu = [0] + list(torch.tensor(q_lens).cumsum(0).tolist())
+    return torch.tensor(query_tiles(cu, first), dtype=torch.int32, device=device).view(-1, 2)
+
+
 def check_prefill(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, tol):
     k_cache, v_cache, block_tables = make_paged_cache([k for _, k in lens], num_kv_heads, head_dim,
                                                       block_size, dtype, device)
     q_lens = [q for q, _ in lens]
     q = torch.randn(sum(q_lens), num_heads, head_dim, dtype=dtype, device=device)
     scale = head_dim ** -0.5
-    out = prefill_attention(q, k_cache, v_cache, cu_seqlens(q_lens, device), cu_seqlens([k for _, k in lens], device),
-                            block_tables, scale, max(q_lens))
+    k_lens = torch.tensor([k for _, k in lens], dtype=torch.int32, device=device)
+    out = torch.full_like(q, float("nan"))  # every query row must be written
+    prefill_attention(q, k_cache, v_cache, cu_seqlens(q_lens, device), k_lens, block_tables,
+                      tiles_of(q_lens, device), QUERY_TILE, scale, out)
     start = 0
     for i, (q_len, k_len) in enumerate(lens):
         ref = ref_attention(q[start:start + q_len], k_cache, v_cache, block_tables[i], k_len, scale)
@@ -160,26 +168,48 @@ def test_prefill_attention(head_dim, num_heads, num_kv_heads, block_size):
 
 
 def test_prefill_several_query_tiles():
-    """Sequences longer than one 128-query tile, with and without a cached prefix."""
+    """Sequences longer than one query tile, with and without a cached prefix."""
     check_prefill([(200, 200), (130, 300), (1, 1)], 4, 2, 64, 16, torch.float32, DEVICE, FP32_TOL)
+
+
+def test_query_tiles_list_each_sequence_last_tile_first():
+    cu = [0, 1, 2, 70, 200, 201]  # two decodes, then chunks of 68, 130 and 1 queries
+    assert query_tiles(cu, 2) == [2, 1, 2, 0, 3, 2, 3, 1, 3, 0, 4, 0]
+    assert query_tiles(cu, 5) == []
+
+
+def test_prefill_skips_unused_tiles():
+    """A CUDA graph launches a fixed number of tiles: those of sequence -1 write nothing."""
+    k_cache, v_cache, tables = make_paged_cache([20], 2, 64, 16, torch.float32, DEVICE)
+    q = torch.randn(20, 2, 64)
+    out = torch.full_like(q, float("nan"))
+    tiles = torch.tensor([[0, 0], [-1, -1], [-1, -1]], dtype=torch.int32)
+    prefill_attention(q, k_cache, v_cache, cu_seqlens([20], DEVICE), torch.tensor([20], dtype=torch.int32),
+                      tables, tiles, QUERY_TILE, 0.125, out)
+    assert rel_err(out, ref_attention(q, k_cache, v_cache, tables[0], 20, 0.125)) < FP32_TOL
 
 
 # ---------- decode ----------
 
 def check_decode(context_lens, num_heads, num_kv_heads, head_dim, block_size, num_splits, dtype, device, tol):
-    k_cache, v_cache, block_tables = make_paged_cache([max(n, 1) for n in context_lens], num_kv_heads, head_dim,
-                                                      block_size, dtype, device)
-    q = torch.randn(len(context_lens), num_heads, head_dim, dtype=dtype, device=device)
+    """Decode rows (one query token) among rows the kernel must leave alone: context 0 is a CUDA graph's
+    padding sequence (no query token), and one sequence carries a 3-token prefill chunk."""
+    lens = [max(n, 1) for n in context_lens] + [40]
+    k_cache, v_cache, block_tables = make_paged_cache(lens, num_kv_heads, head_dim, block_size, dtype, device)
+    q_lens = [1 if n else 0 for n in context_lens] + [3]
+    q = torch.randn(sum(q_lens), num_heads, head_dim, dtype=dtype, device=device)
     scale = head_dim ** -0.5
-    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
-    out = decode_attention(q, k_cache, v_cache, block_tables, lens, scale, num_splits)
+    cu = cu_seqlens(q_lens, device)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, k_cache, v_cache, cu, torch.tensor(context_lens + [40], dtype=torch.int32, device=device),
+                     block_tables, scale, num_splits, out=out)
     for i, n in enumerate(context_lens):
-        if n == 0:  # a CUDA-graph padding row: zeros, never NaN
-            assert torch.equal(out[i], torch.zeros_like(out[i])), f"row {i} with context 0 is not zero"
-            continue
-        ref = ref_attention(q[i:i + 1], k_cache, v_cache, block_tables[i], n, scale)
-        err = rel_err(out[i:i + 1], ref)
-        assert err < tol, f"row {i} (context {n}, {num_splits} splits): rel err {err}"
+        if n:
+            row = int(cu[i])
+            ref = ref_attention(q[row:row + 1], k_cache, v_cache, block_tables[i], n, scale)
+            err = rel_err(out[row:row + 1], ref)
+            assert err < tol, f"row {i} (context {n}, {num_splits} splits): rel err {err}"
+    assert out[-3:].isnan().all(), "the prefill chunk's rows were written"
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -208,55 +238,55 @@ def test_num_decode_splits_is_static_and_bounded():
 
 # ---------- backend end to end ----------
 
-def test_triton_backend_prefill_then_decode():
-    """Prefill (a fresh prompt, a prefix hit, a one-token prompt), then decode steps with a padding row."""
+def test_triton_backend_mixed_steps():
+    """One kind of step: decodes and prefill chunks in one batch (a fresh prompt, a chunk after a cached
+    prefix, a one-token prompt), then decode steps; each padded as a CUDA graph pads it (padding tokens
+    with slot -1, padding sequences with no tokens, unused tiles)."""
     block_size, num_heads, num_kv_heads, head_dim = 16, 6, 2, 64
     config = SimpleNamespace(max_num_seqs=8, max_model_len=256, kvcache_block_size=block_size, device=DEVICE)
-    backend = TritonBackend(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, config)
-    shape = (24, block_size, num_kv_heads, head_dim)
+    backend = TritonBackend(num_heads, num_kv_heads, head_dim, config)
+    shape = (32, block_size, num_kv_heads, head_dim)
     k_cache, v_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
-    block_tables = torch.randperm(24)[:18].view(3, 6).to(torch.int32)  # 6 blocks of 16 keys per sequence
-    prior = [0, 20, 0]   # keys already cached: sequence 1 hits a 20-token prefix
-    prompt = [33, 5, 1]
-    history_k = [torch.randn(n, num_kv_heads, head_dim) for n in prior]
-    history_v = [torch.randn(n, num_kv_heads, head_dim) for n in prior]
-    for i in range(3):  # the prefix, as an earlier step would have stored it
-        slots = slot_of(block_tables[i], torch.arange(prior[i]), block_size)
-        store_kv(history_k[i], history_v[i], k_cache, v_cache, slots)
+    block_tables = torch.randperm(32)[:24].view(4, 6).to(torch.int32)  # 6 blocks of 16 keys per sequence
+    prior = [7, 0, 20, 0]  # keys already cached: sequence 0 decodes, sequence 2 hit a 20-token prefix
+    history = [[torch.randn(n, num_kv_heads, head_dim) for n in prior] for _ in "kv"]
+    for i in range(4):  # what earlier steps stored
+        store_kv(history[0][i], history[1][i], k_cache, v_cache, slot_of(block_tables[i], torch.arange(prior[i]), block_size))
 
-    def step(is_prefill, q_lens, pad_rows=0):
-        k_new = [torch.randn(n, num_kv_heads, head_dim) for n in q_lens]
-        v_new = [torch.randn(n, num_kv_heads, head_dim) for n in q_lens]
-        q = torch.randn(sum(q_lens) + pad_rows, num_heads, head_dim)
-        slots = [slot_of(block_tables[i], torch.arange(prior[i], prior[i] + n), block_size)
-                 for i, n in enumerate(q_lens)]
+    def step(q_lens, pad_tokens=0, pad_seqs=0, pad_tiles=0):
+        new = [[torch.randn(n, num_kv_heads, head_dim) for n in q_lens] for _ in "kv"]
+        slots = [slot_of(block_tables[i], torch.arange(prior[i], prior[i] + n), block_size) for i, n in enumerate(q_lens)]
         k_lens = [p + n for p, n in zip(prior, q_lens)]
+        num_decodes = sum(1 for n in q_lens if n == 1)
+        cu = [0] + torch.tensor(q_lens).cumsum(0).tolist()
+        tiles = query_tiles(cu, num_decodes) + [-1, -1] * pad_tiles
+        cu_k = [0] + torch.tensor(k_lens).cumsum(0).tolist()
         meta = AttentionMetadata(
-            is_prefill=is_prefill,
-            slot_mapping=torch.cat(slots + [torch.full((pad_rows,), -1, dtype=torch.int32)]),
-            context_lens=torch.tensor(k_lens + [0] * pad_rows, dtype=torch.int32),
-            block_tables=torch.cat([block_tables, torch.zeros(pad_rows, 6, dtype=torch.int32)]),
-            cu_seqlens_q=cu_seqlens(q_lens, DEVICE), cu_seqlens_k=cu_seqlens(k_lens, DEVICE),
-            max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), has_prefix=any(prior))
-        pad = [torch.randn(pad_rows, num_kv_heads, head_dim)]
-        store_kv(torch.cat(k_new + pad), torch.cat(v_new + pad), k_cache, v_cache, meta.slot_mapping)  # as the model does
+            slot_mapping=torch.cat(slots + [torch.full((pad_tokens,), -1, dtype=torch.int32)]),
+            cu_seqlens_q=torch.tensor(cu + [cu[-1]] * pad_seqs, dtype=torch.int32),
+            cu_seqlens_k=torch.tensor(cu_k + [cu_k[-1]] * pad_seqs, dtype=torch.int32),
+            context_lens=torch.tensor(k_lens + [0] * pad_seqs, dtype=torch.int32),
+            block_tables=torch.cat([block_tables, torch.zeros(pad_seqs, 6, dtype=torch.int32)]),
+            query_tiles=torch.tensor(tiles, dtype=torch.int32).view(-1, 2),
+            num_decodes=num_decodes + pad_seqs if pad_seqs else num_decodes,  # a graph runs every row
+            cu_seqlens_q_host=cu, context_lens_host=k_lens)
+        pad = [torch.randn(pad_tokens, num_kv_heads, head_dim)]
+        store_kv(torch.cat(new[0] + pad), torch.cat(new[1] + pad), k_cache, v_cache, meta.slot_mapping)
+        q = torch.randn(sum(q_lens) + pad_tokens, num_heads, head_dim)
         out = backend.forward(q, k_cache, v_cache, meta)
-        start = 0
         for i, n in enumerate(q_lens):
-            history_k[i] = torch.cat([history_k[i], k_new[i]])
-            history_v[i] = torch.cat([history_v[i], v_new[i]])
-            ref = ref_attention(q[start:start + n], k_cache, v_cache, block_tables[i], k_lens[i], backend.scale)
-            assert rel_err(out[start:start + n], ref) < FP32_TOL
-            start += n
+            history[0][i] = torch.cat([history[0][i], new[0][i]])
+            history[1][i] = torch.cat([history[1][i], new[1][i]])
+            ref = ref_attention(q[cu[i]:cu[i + 1]], k_cache, v_cache, block_tables[i], k_lens[i], backend.scale)
+            assert rel_err(out[cu[i]:cu[i + 1]], ref) < FP32_TOL, f"sequence {i}"
             prior[i] = k_lens[i]
-        assert torch.equal(out[start:], torch.zeros_like(out[start:]))  # padding rows
 
-    step(True, prompt)
-    for _ in range(3):
-        step(False, [1, 1, 1], pad_rows=1)  # decode with one CUDA-graph padding row
-    for i in range(3):  # the cache holds exactly what was stored
-        assert torch.equal(gather_keys(k_cache, block_tables[i], prior[i]), history_k[i].double())
-        assert torch.equal(gather_keys(v_cache, block_tables[i], prior[i]), history_v[i].double())
+    step([1, 1, 70, 33])  # a decode, a one-token prompt, a chunk after a prefix, a fresh prompt
+    step([1, 1, 1, 1], pad_tokens=2, pad_seqs=2)  # a decode step padded to a batch of 6
+    step([1, 1, 1, 5], pad_tokens=9, pad_seqs=3, pad_tiles=4)  # a mixed step padded like a graph
+    for i in range(4):  # the cache holds exactly what was stored
+        assert torch.equal(gather_keys(k_cache, block_tables[i], prior[i]), history[0][i].double())
+        assert torch.equal(gather_keys(v_cache, block_tables[i], prior[i]), history[1][i].double())
 
 
 def slot_of(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -273,6 +303,6 @@ def test_gpu_bf16_large(head_dim, num_heads, num_kv_heads, block_size):
     prefill_lens = [(1000, 1000), (513, 2048), (1, 300), (2048, 2048), (255, 257)]
     check_prefill(prefill_lens, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, "cuda", BF16_TOL)
     context_lens = [0, 1, 255, 256, 257, 1000, 4097, 8192] * 4
-    for num_splits in (1, 5, num_decode_splits(len(context_lens), num_kv_heads, head_dim, 8192, 132)):
+    for num_splits in (1, 5, num_decode_splits(len(context_lens) + 1, num_kv_heads, head_dim, 8192, 132)):
         check_decode(context_lens, num_heads, num_kv_heads, head_dim, block_size, num_splits,
                      torch.bfloat16, "cuda", BF16_TOL)

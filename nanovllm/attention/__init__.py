@@ -1,43 +1,62 @@
-"""Pluggable attention (PagedAttention's kernel side).
+"""Pluggable attention, PagedAttention's read side (the vLLM paper, section 4.1).
 
-Every backend reads the KV cache through a block table: the cache of one layer is a pool of
-fixed-size blocks, `k_cache[num_blocks, block_size, num_kv_heads, head_dim]`, and token `i` of a
-sequence lives in slot `block_table[i // block_size] * block_size + i % block_size`.
-The model runner builds one `AttentionMetadata` per forward pass and hands it down the model. The
-model writes the new K/V at `slot_mapping` (fused with rotary: nanovllm/layers/rotary.py), so a
-backend only has to attend.
+Every backend reads the KV cache through block tables: a layer's cache is a pool of blocks,
+`k_cache[num_blocks, block_size, num_kv_heads, head_dim]`, and token i of a sequence lives in slot
+`block_table[i // block_size] * block_size + i % block_size`. One step's new tokens are packed;
+sequence s owns tokens cu_seqlens_q[s]:cu_seqlens_q[s + 1]. The sequences with one new token (the
+decodes) come first, then the prefill chunks (vLLM v1's and Sarathi-Serve's mixed batches). The
+layer that writes this step's K/V and calls the backend is nanovllm/attention/paged_attention.py.
 """
 from dataclasses import dataclass
 
 import torch
 
+QUERY_TILE = 64  # queries per program of a prefill kernel (query_tiles counts in these)
+
 
 @dataclass
 class AttentionMetadata:
-    """What the attention of one forward pass needs to know about the batch."""
-    is_prefill: bool
-    slot_mapping: torch.Tensor   # [num_tokens] int32: cache slot of each new token, -1 = skip (padding)
-    context_lens: torch.Tensor   # [num_seqs] int32: keys per sequence after this step (cached + new)
-    block_tables: torch.Tensor   # [num_seqs, max_blocks] int32: block ids, padded with 0
-    # prefill only: the new tokens of the batch are packed, sequence i owning cu_seqlens_q[i]:cu_seqlens_q[i+1]
-    cu_seqlens_q: torch.Tensor | None = None  # [num_seqs + 1] int32
-    cu_seqlens_k: torch.Tensor | None = None  # [num_seqs + 1] int32
-    max_seqlen_q: int = 0
-    max_seqlen_k: int = 0
-    has_prefix: bool = False     # some sequence attends to keys computed in an earlier step
+    """What attention needs to know about one forward pass (built by the model runner)."""
+    slot_mapping: torch.Tensor  # [num_tokens] int32: cache slot of each new token, -1 = padding
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32: new tokens of sequence s start at [s]
+    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int32: the same over keys (flash-attn's varlen)
+    context_lens: torch.Tensor  # [num_seqs] int32: keys per sequence after this step (cached + new)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32: block ids, padded with 0
+    query_tiles: torch.Tensor   # [num_tiles, 2] int32: (sequence, tile) of the prefill chunks
+    num_decodes: int            # leading sequences with one new token (a graph: the rows it runs)
+    cu_seqlens_q_host: list[int]  # the same numbers on the host, for backends that loop
+    context_lens_host: list[int]
+
+    @property
+    def max_seqlen_q(self) -> int:
+        cu = self.cu_seqlens_q_host
+        return max((b - a for a, b in zip(cu, cu[1:])), default=0)
+
+
+def query_tiles(cu_seqlens_q: list[int], first: int) -> list[int]:
+    """(sequence, tile) pairs, flattened, of the sequences from `first` on: QUERY_TILE queries each,
+    the last tile of a sequence first (it sees the most keys, so it starts first)."""
+    return [x for s in range(first, len(cu_seqlens_q) - 1)
+            for t in reversed(range(-(-(cu_seqlens_q[s + 1] - cu_seqlens_q[s]) // QUERY_TILE)))
+            for x in (s, t)]
 
 
 class AttentionBackend:
     """The interface: `forward` attends over the paged cache, which already holds this step's K/V.
 
-    q: [num_tokens, num_heads, head_dim]; returns [num_tokens, num_heads, head_dim]. In prefill, query
-    token j of a sequence with q_len new tokens and k_len keys sits at position k_len - q_len + j and
-    sees keys 0..that position.
+    q: [num_tokens, num_heads, head_dim]; returns the same shape. Query j of a sequence with q_len
+    new tokens and k_len keys sits at position k_len - q_len + j and sees keys 0..that position.
     """
+    # What a CUDA graph may capture of this backend (vLLM's AttentionCGSupport): "always" (any
+    # step), "decode" (steps of decodes only) or "never"; steps it cannot capture run piecewise.
+    cudagraph_support = "never"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, config):
-        # config: nanovllm.config.Config (max_num_seqs, max_model_len, kvcache_block_size, device, ...)
-        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, config):
+        # config: nanovllm.config.Config (max_num_seqs, max_model_len, kvcache_block_size, device)
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
         self.config = config
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -47,8 +66,8 @@ class AttentionBackend:
 BACKENDS = ("flash", "triton", "sdpa")
 
 
-def get_backend(name: str):
-    """Return the backend class for a name in BACKENDS (imports lazily: flash-attn is optional)."""
+def get_backend(name: str) -> type[AttentionBackend]:
+    """The backend class for a name in BACKENDS (imported on demand: flash-attn is optional)."""
     if name == "sdpa":
         from nanovllm.attention.sdpa import SDPABackend
         return SDPABackend

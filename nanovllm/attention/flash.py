@@ -1,7 +1,9 @@
-"""The flash backend: flash-attn's varlen kernel for prefill and its paged-KV kernel for decode.
+"""The flash backend: flash-attn's paged-KV kernel for the decodes, its varlen kernel for the prefill chunks.
 
-Both read the paged cache through the block table (`block_table=`), which flash-attn supports for
-block sizes that are a multiple of 256; the new K/V are already there (the model writes them).
+Both read the paged cache through the block tables (`block_table=`), which flash-attn supports for
+block sizes that are a multiple of 256; the new K/V are already there. The varlen kernel takes its grid
+from host numbers (the longest chunk, the number of chunks), so a CUDA graph captures the decode-only
+steps whole and the others piecewise.
 """
 import torch
 
@@ -14,7 +16,9 @@ except ImportError:
 
 
 class FlashBackend(AttentionBackend):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, config):
+    cudagraph_support = "decode"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, config):
         if flash_attn_varlen_func is None:
             raise ValueError("attn_backend='flash' needs flash-attn: pip install -e '.[flash]' "
                              "(or pip install flash-attn), or use attn_backend='triton' (or 'sdpa')")
@@ -23,13 +27,21 @@ class FlashBackend(AttentionBackend):
         if config.kvcache_block_size % 256:
             raise ValueError(f"attn_backend='flash' needs kvcache_block_size to be a multiple of 256 "
                              f"(flash-attn's paged KV), got {config.kvcache_block_size}")
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, config)
+        super().__init__(num_heads, num_kv_heads, head_dim, config)
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, d: int) -> torch.Tensor:
+        return flash_attn_with_kvcache(q[:d, None], k_cache, v_cache, cache_seqlens=meta.context_lens[:d],
+                                       block_table=meta.block_tables[:d], softmax_scale=self.scale,
+                                       causal=True)[:, 0]
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        if not meta.is_prefill:
-            return flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
-                                           block_table=meta.block_tables, softmax_scale=self.scale,
-                                           causal=True).squeeze(1)
-        return flash_attn_varlen_func(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
-                                      meta.max_seqlen_k, softmax_scale=self.scale, causal=True,
-                                      block_table=meta.block_tables)
+        d = meta.num_decodes
+        if d == meta.context_lens.shape[0]:
+            return self.decode(q, k_cache, v_cache, meta, d)
+        # the chunks' offsets into q and into the keys need no rebasing: the kernel reads them as given
+        out = flash_attn_varlen_func(q, k_cache, v_cache, meta.cu_seqlens_q[d:], meta.cu_seqlens_k[d:],
+                                     meta.max_seqlen_q, max(meta.context_lens_host[d:]), softmax_scale=self.scale,
+                                     causal=True, block_table=meta.block_tables[d:])
+        if d:
+            out[:d] = self.decode(q, k_cache, v_cache, meta, d)
+        return out

@@ -1,16 +1,14 @@
 """Triton attention backend: PagedAttention with our own kernels (nanovllm/kernels).
 
-PagedAttention keeps each layer's KV cache as a pool of fixed-size blocks and gives every sequence a
-block table, so memory is claimed a block at a time and blocks can be shared between sequences
-(prefix caching). The model has written this step's K/V into their slots already; the backend attends by
-reading every key through the block table: a causal varlen kernel for prefill, a split-KV
-("flash decoding") kernel for decode. One backend object serves all layers of a model; the decode
-scratch it preallocates is reused layer after layer, and nothing here syncs with the host, so the
-decode path can be captured in a CUDA graph.
+The decode kernel (split-KV, "flash decoding") runs the sequences with one new token, the prefill
+kernel the query tiles of the prefill chunks, both into one output. Each kernel reads from the data
+which rows and tiles to run, so a CUDA graph launches them with a fixed grid and one graph serves
+any mix of decodes and chunks of its size. The decode scratch is preallocated and reused layer after
+layer, and nothing here reads a device value on the host.
 """
 import torch
 
-from nanovllm.attention import AttentionBackend, AttentionMetadata
+from nanovllm.attention import QUERY_TILE, AttentionBackend, AttentionMetadata
 from nanovllm.kernels import decode_attention, num_decode_splits, prefill_attention
 from nanovllm.kernels.decode import decode_scratch
 
@@ -18,10 +16,10 @@ CPU_NUM_SMS = 4  # the interpreter has no SMs; a few keeps split-KV in play in C
 
 
 class TritonBackend(AttentionBackend):
-    """Attend with the Triton prefill or decode kernel."""
+    cudagraph_support = "always"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, config):
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, config)
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, config):
+        super().__init__(num_heads, num_kv_heads, head_dim, config)
         device = torch.device(config.device)
         on_gpu = device.type == "cuda"
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else CPU_NUM_SMS
@@ -30,9 +28,13 @@ class TritonBackend(AttentionBackend):
                                       config.max_model_len, self.num_sms, device)
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        if meta.is_prefill:
-            return prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k,
-                                     meta.block_tables, self.scale, meta.max_seqlen_q)
-        num_splits = num_decode_splits(q.shape[0], self.num_kv_heads, self.head_dim, self.max_model_len, self.num_sms)
-        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale,
-                                num_splits, self.scratch)
+        out = torch.empty_like(q)
+        d = meta.num_decodes
+        if d:
+            splits = num_decode_splits(d, self.num_kv_heads, self.head_dim, self.max_model_len, self.num_sms)
+            decode_attention(q, k_cache, v_cache, meta.cu_seqlens_q[:d + 1], meta.context_lens[:d],
+                             meta.block_tables[:d], self.scale, splits, self.scratch, out)
+        if meta.query_tiles.shape[0]:
+            prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
+                              meta.query_tiles, QUERY_TILE, self.scale, out)
+        return out

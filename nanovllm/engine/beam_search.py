@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.sampling_params import SamplingParams
 
 
 @dataclass
@@ -78,3 +79,28 @@ class BeamSearch:
     def _cannot_improve(self, length: int) -> bool:
         best = max(b.cumulative_logprob for b in self.beams)
         return self.score(best, length) <= self.finished[-1].score
+
+
+def beam_search(engine, prompts: list, beam_width: int, max_tokens: int, length_penalty: float) -> list[list[dict]]:
+    """Drive the engine's steps until every prompt's search is done; the finished beams, best first."""
+    if not isinstance(beam_width, int) or beam_width < 1:
+        raise ValueError(f"beam_width={beam_width} must be an integer >= 1")
+    vocab = engine.config.hf_config["vocab_size"]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=min(2 * beam_width, vocab))
+    roots = [engine.input_processor.make_sequence(p, params, beam_width) for p in prompts]  # all valid first
+    eos = engine.output_processor.eos_token_ids
+    searches = [BeamSearch(root, beam_width, max(1, min(max_tokens, root.max_len - root.num_tokens)),
+                           length_penalty, eos) for root in roots]
+    for root in roots:
+        engine.scheduler.add(root)
+    try:
+        while not all(search.done for search in searches):
+            engine.held += engine.step()  # other requests' outputs, for the caller's next step()
+            for search in searches:
+                if not search.done and search.ready():
+                    search.advance(engine.scheduler)
+    finally:  # interrupted: the live beams go
+        engine.scheduler.finish([beam for search in searches for beam in search.beams if not beam.is_finished])
+    decode = engine.output_processor.decode
+    return [[{"text": decode(h.token_ids), "token_ids": h.token_ids, "cumulative_logprob": h.cumulative_logprob,
+              "score": h.score, "finish_reason": h.finish_reason} for h in search.finished] for search in searches]

@@ -11,7 +11,7 @@ for new data; free blocks are taken least recently freed first. Every operation 
 Memory sharing (the paper's section 4.4): `fork` gives a child sequence its parent's blocks by
 raising their reference counts; a sequence about to write into a block that others still share
 gets its own copy first (copy-on-write), and the (source, destination) pair goes to the model
-runner. Swap preemption moves a group's blocks to a CPU pool with its own free list and back.
+runner. (Swap preemption's CPU pool is nanovllm/engine/swap.py.)
 """
 from collections import Counter, OrderedDict
 from itertools import count
@@ -19,7 +19,7 @@ from itertools import count
 import numpy as np
 import xxhash
 
-from nanovllm.engine.sequence import Sequence, SequenceStatus, num_blocks_for
+from nanovllm.engine.sequence import Sequence, num_blocks_for
 
 
 def hash_block(token_ids: list[int], prev_hash: int | None) -> int:
@@ -51,15 +51,13 @@ class Block:
 class BlockManager:
     """Allocates, shares and frees KV-cache blocks; finds cached prefixes."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_cpu_blocks: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
         self.cached_blocks: dict[int, int] = {}  # hash -> block id
         self._content_ids = count()
-        self.cpu_ref_counts = [0] * num_cpu_blocks  # the swap pool: reference counts and a free list
-        self.free_cpu_blocks = list(range(num_cpu_blocks))
 
     @property
     def num_blocks(self) -> int:
@@ -69,7 +67,7 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
 
-    def _take_free_block(self) -> int:
+    def take_free_block(self) -> int:
         """Take the least recently freed block for new data, forgetting what it cached."""
         block_id, _ = self.free_blocks.popitem(last=False)
         block = self.blocks[block_id]
@@ -111,7 +109,7 @@ class BlockManager:
             return False
         for block_id in hits:
             self._ref(block_id)
-        seq.block_table = hits + [self._take_free_block() for _ in range(num_new)]
+        seq.block_table = hits + [self.take_free_block() for _ in range(num_new)]
         seq.num_hashed_blocks = len(hits)
         # a full hit still computes the last prompt token: its logits give the first new token
         seq.num_computed_tokens = min(len(hits) * self.block_size, seq.num_tokens - 1)
@@ -119,12 +117,10 @@ class BlockManager:
             seq.num_cached_tokens = seq.num_computed_tokens
         return True
 
-    def _ref_count(self, seq: Sequence, block_id: int) -> int:
-        return self.cpu_ref_counts[block_id] if seq.status == SequenceStatus.SWAPPED else self.blocks[block_id].ref_count
-
-    def num_blocks_to_append(self, *seqs: Sequence) -> int:
-        """New blocks the sequences (one, or a group) need before their next tokens fit: fresh tail blocks, plus
-        copies of a shared block they write into (k of its r holders writing make min(k, r - 1) copies)."""
+    def num_blocks_to_append(self, seqs: list[Sequence], ref_counts=None) -> int:
+        """New blocks the sequences (one, or a group) need before their next tokens fit: fresh tail
+        blocks, plus copies of a shared block they write into (k of its r holders writing make
+        min(k, r - 1) copies). `ref_counts`: where their blocks' counts are, if not here."""
         new, writers = 0, Counter()
         for seq in seqs:
             if seq.num_computed_tokens == seq.num_tokens:
@@ -133,7 +129,9 @@ class BlockManager:
             i = seq.num_computed_tokens // self.block_size  # the block the next token goes into
             if i < len(seq.block_table):
                 writers[seq.block_table[i]] += 1
-        return new + sum(min(k, self._ref_count(seqs[0], b) - 1) for b, k in writers.items())
+        if ref_counts is None:
+            ref_counts = {b: self.blocks[b].ref_count for b in writers}
+        return new + sum(min(k, ref_counts[b] - 1) for b, k in writers.items())
 
     def append_blocks(self, seq: Sequence) -> list[tuple[int, int]]:
         """Give every token of the sequence a slot it may write: copy-on-write the block the next token goes into
@@ -143,10 +141,10 @@ class BlockManager:
         if i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1:
             src = seq.block_table[i]
             self.blocks[src].ref_count -= 1
-            seq.block_table[i] = self._take_free_block()
+            seq.block_table[i] = self.take_free_block()
             copies.append((src, seq.block_table[i]))
         for _ in range(num_blocks_for(seq.num_tokens, self.block_size) - len(seq.block_table)):
-            seq.block_table.append(self._take_free_block())
+            seq.block_table.append(self.take_free_block())
         return copies
 
     def fork(self, parent: Sequence, child: Sequence):
@@ -174,12 +172,8 @@ class BlockManager:
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size)
 
     def free(self, seq: Sequence):
-        """Drop the sequence's references (to CPU blocks if it is swapped out); blocks reaching zero become
-        free, tail first."""
+        """Drop the sequence's references; blocks reaching zero become free, tail first."""
         for block_id in reversed(seq.block_table):
-            if seq.status == SequenceStatus.SWAPPED:
-                self._unref_cpu(block_id)
-                continue
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0
@@ -187,45 +181,3 @@ class BlockManager:
                 self.free_blocks[block_id] = None
         seq.block_table = []
         seq.num_hashed_blocks = 0
-
-    def can_swap_out(self, seqs: list[Sequence]) -> bool:
-        return len({b for seq in seqs for b in seq.block_table}) <= len(self.free_cpu_blocks)
-
-    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
-        """Move a group's blocks to the CPU pool (a block shared in the group moves once); returns (gpu, cpu) pairs."""
-        to_cpu = {}
-        for seq in seqs:
-            table = []
-            for block_id in seq.block_table:
-                if block_id not in to_cpu:
-                    to_cpu[block_id] = self.free_cpu_blocks.pop()
-                table.append(to_cpu[block_id])
-                self.cpu_ref_counts[to_cpu[block_id]] += 1
-            self.free(seq)
-            seq.block_table = table
-        return list(to_cpu.items())
-
-    def can_swap_in(self, seqs: list[Sequence], num_reserved: int = 0) -> bool:
-        """Whether the group's blocks and the blocks its next step appends fit beside num_reserved other blocks."""
-        num_blocks = len({b for seq in seqs for b in seq.block_table})
-        return num_blocks + self.num_blocks_to_append(*seqs) + num_reserved <= self.num_free_blocks
-
-    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
-        """Bring a swapped group's blocks back to free GPU blocks, sharing restored; returns (cpu, gpu) pairs."""
-        to_gpu = {}
-        for seq in seqs:
-            table = []
-            for cpu_id in seq.block_table:
-                if cpu_id in to_gpu:
-                    self.blocks[to_gpu[cpu_id]].ref_count += 1
-                else:
-                    to_gpu[cpu_id] = self._take_free_block()
-                table.append(to_gpu[cpu_id])
-                self._unref_cpu(cpu_id)
-            seq.block_table = table
-        return list(to_gpu.items())
-
-    def _unref_cpu(self, cpu_id: int):
-        self.cpu_ref_counts[cpu_id] -= 1
-        if self.cpu_ref_counts[cpu_id] == 0:
-            self.free_cpu_blocks.append(cpu_id)

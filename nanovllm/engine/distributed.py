@@ -8,24 +8,22 @@ alone samples. A `None` step tells the workers to stop.
 
 The ranks meet through a TCPStore that rank 0 opens on a port the OS picks, and the process groups
 are this engine's own objects, not torch.distributed's one global default group, so two engines
-can run side by side in one process. Workers are daemonic, ignore Ctrl-C (rank 0 stops them) and
-exit when the engine's process is gone. They are spawned (not forked, which CUDA forbids), so a
-script that starts an engine needs the usual `if __name__ == "__main__":`. On CPU every rank, rank
-0 included, runs cpu_count // N threads.
+can run side by side in one process. Workers are fresh interpreters running
+`python -m nanovllm.engine.tp_worker` (not forked, which CUDA forbids, nor spawned, which would
+re-import the user's script): the engine's Config reaches them through the store. They ignore
+Ctrl-C (rank 0 stops them) and exit when the engine's process is gone. On CPU every rank, rank 0
+included, runs cpu_count // N threads.
 """
 import os
-import signal
-import threading
+import pickle
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-
-from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner
 
 # Workers wait for the next step for as long as the engine stays idle: no timeout that an idle
 # engine could reach. A rank that dies is noticed anyway: gloo reports the closed connection.
@@ -53,6 +51,10 @@ class TPGroup:
         box = [None]
         dist.broadcast_object_list(box, group=self.cpu_group, group_src=0)
         return box[0]
+
+    def broadcast(self, tensor: torch.Tensor):
+        """Rank 0's tensor to every rank, over the model's group."""
+        dist.broadcast(tensor, group=self.device_group, group_src=0)
 
     def min(self, value: int) -> int:
         """The smallest of every rank's value (the number of KV blocks that fits on all of them)."""
@@ -98,21 +100,21 @@ def join_group(store: dist.Store, rank: int, size: int, device_type: str) -> TPG
 class Workers:
     """Rank 0's side: starts ranks 1..N-1, joins their group, and stops them."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config):
         size = config.tensor_parallel_size
         # port 0: the OS picks a free port, so no two engines ever collide
         self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                                    timeout=STARTUP_TIMEOUT)
         self.port = self.store.port
+        self.store.set("config", pickle.dumps(config))
         if config.device == "cpu":
             share_cpu_cores(size)
-        ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=worker_main, args=(config, rank, self.port, os.getpid()),
-                                  name=f"nanovllm-tp-rank{rank}", daemon=True) for rank in range(1, size)]
+        self.procs = []
         self.group: TPGroup | None = None
         try:
-            for proc in self.procs:
-                proc.start()
+            for rank in range(1, size):
+                self.procs.append(subprocess.Popen([sys.executable, "-m", "nanovllm.engine.tp_worker", str(rank),
+                                                    str(self.port), str(os.getpid())]))
             self._wait_for_workers()
             self.group = join_group(self.store, 0, size, config.device)
         except BaseException:
@@ -123,9 +125,9 @@ class Workers:
         """Wait until every worker has reached the store, failing at once if one died on the way."""
         deadline = time.monotonic() + STARTUP_TIMEOUT.total_seconds()
         while self.store.add("started", 0) < len(self.procs):
-            dead = [p.name for p in self.procs if not p.is_alive()]
+            dead = [rank for rank, p in enumerate(self.procs, 1) if p.poll() is not None]
             if dead:
-                raise RuntimeError(f"tensor-parallel worker(s) {dead} exited while starting; see their error above")
+                raise RuntimeError(f"tensor-parallel worker(s) of rank {dead} exited while starting; see their error above")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT}")
             time.sleep(0.01)
@@ -146,14 +148,14 @@ class Workers:
             group.close()
         elif group is not None:
             group.abort()
-        for proc in (p for p in self.procs if p.pid is not None):  # skip any that never started
-            proc.join(timeout=5)
-            if proc.is_alive():  # stuck: it has nothing to save
-                proc.terminate()
-                proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        for proc in self.procs:
+            for stop in (lambda: None, proc.terminate, proc.kill):  # stuck: it has nothing to save
+                stop()
+                try:
+                    proc.wait(timeout=5)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
         self.procs = []
         self.store = None  # the port is free once the model's layers, which hold the groups, are gone too
 
@@ -164,27 +166,16 @@ def share_cpu_cores(size: int):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
 
 
-def worker_main(config: Config, rank: int, port: int, parent_pid: int):
-    """Ranks 1..N-1: build this rank's shard of the model, then run every step rank 0 sends."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops the workers
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
-    if config.device == "cuda":
-        torch.cuda.set_device(rank)  # before NCCL binds to the current device
-    else:
-        share_cpu_cores(config.tensor_parallel_size)
-    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=STARTUP_TIMEOUT)
-    store.add("started", 1)
-    group = join_group(store, rank, config.tensor_parallel_size, config.device)
-    try:
-        runner = ModelRunner(config, group)
-        while (step := group.receive_step()) is not None:
-            runner.execute(step)
-    finally:
-        group.close()
-
-
-def _exit_with_parent(parent_pid: int):
-    """Die with the engine's process, even when it is killed while this rank waits inside a collective."""
-    while os.getppid() == parent_pid:
-        time.sleep(1)
-    os._exit(1)
+def check_tensor_parallel(config):
+    """Every rank needs a GPU of its own and an equal share of the heads and of the MLP."""
+    tp, cfg = config.tensor_parallel_size, config.hf_config
+    if config.device == "cuda" and tp > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={tp} but only {torch.cuda.device_count()} GPU(s) are visible")
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    if heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={heads}")
+    if kv_heads % tp and tp % kv_heads:  # fewer KV heads than ranks: each is replicated on tp // kv_heads ranks
+        raise ValueError(f"tensor_parallel_size={tp} must divide num_key_value_heads={kv_heads} or be a "
+                         "multiple of it")
+    if cfg["intermediate_size"] % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size={cfg['intermediate_size']}")

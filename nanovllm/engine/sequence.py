@@ -1,11 +1,10 @@
-"""A request's token sequence and its block table (the logical-to-physical map of PagedAttention).
-
-While a step runs, each token it samples is a placeholder in `token_ids`: -(r + 1), row r of the
-step's output, which the next step reads on the device (the engine schedules one step ahead).
+"""A request's sequence: its token ids, its progress and its block table (the logical-to-physical
+map of PagedAttention, the vLLM paper's section 4.2).
 
 A request with several outputs (parallel samples, or the beams of a beam search) is a *group* of
 sequences made by `fork`: a child starts as a copy of its parent's tokens and, through
-`BlockManager.fork`, shares its parent's KV blocks.
+`BlockManager.fork`, shares its parent's KV blocks. A token sampled by a step that is still on the
+GPU stands as a placeholder in `token_ids` (nanovllm/engine/run_ahead.py).
 """
 from enum import Enum, auto
 from itertools import count
@@ -16,7 +15,7 @@ from nanovllm.sampling_params import SamplingParams
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
-    SWAPPED = auto()   # its blocks sit in the CPU pool; its block table holds CPU block ids
+    SWAPPED = auto()   # its blocks sit in the CPU pool (nanovllm/engine/swap.py)
     FINISHED = auto()
 
 
@@ -25,20 +24,26 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
 
-def slot_of(block_table: list[int], position: int, block_size: int) -> int:
-    """The KV-cache slot of the token at `position`: its block's first slot plus its offset."""
-    return block_table[position // block_size] * block_size + position % block_size
+def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """The KV-cache slots of positions start..end-1: a token's block's first slot plus its offset."""
+    slots = []
+    for b in range(start // block_size, (end - 1) // block_size + 1):  # a run of slots per block
+        first = block_table[b] * block_size
+        slots += range(first + max(start - b * block_size, 0), first + min(end - b * block_size, block_size))
+    return slots
 
 
 class Sequence:
     """Token ids, progress and the block table of one generation."""
     _ids = count()
 
-    def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int):
+    def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int,
+                 max_model_len: int = 1 << 62):
         self.seq_id = next(Sequence._ids)
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
+        self.max_len = min(len(token_ids) + params.max_tokens, max_model_len)  # ends there
         self.params = params
         self.block_size = block_size
         self.block_table: list[int] = []
@@ -46,21 +51,30 @@ class Sequence:
         self.num_cached_tokens = 0    # prompt tokens served from the prefix cache
         self.num_hashed_blocks = 0    # leading full blocks registered in the prefix cache
         self.finish_reason: str | None = None
-        self.group: list[Sequence] = [self]  # the request's sequences, shared by all of them; [0] is the root
-        self.sample_index = 0         # which of the request's samples (seeds the sampler with the request seed)
-        self.beam_width = 0           # > 0: a beam; the engine reports next-token candidates, beam search appends
+        self.stop_reason: int | str | None = None
+        self.text = ""                # the completion's text, as far as it was detokenized
+        self.num_text_tokens = 0      # completion tokens in `text`
+        self.num_reported_chars = self.num_reported_tokens = 0  # for output_kind="delta"
+        self.request_id: int | str = self.seq_id  # the root's: the request's id, text and timings
+        self.prompt: str | None = None
+        self.metrics = None
+        self.group: list[Sequence] = [self]  # the request's sequences; [0] is the root
+        self.sample_index = 0   # which sample of the request (seeds its sampler with the request's seed)
+        self.beam_width = 0     # > 0: a beam; the engine reports candidates, beam search appends
         self.candidates: dict[int, float] | None = None  # a beam's next tokens -> log-probability
         self.logprobs: list[dict[int, float]] = []  # per generated token, when params.logprobs is set
         self.cumulative_logprob = 0.0
 
     def fork(self) -> "Sequence":
-        """A new member of the group with this sequence's tokens and progress (blocks: BlockManager.fork)."""
+        """A new member of the group with this sequence's tokens and progress (blocks:
+        BlockManager.fork)."""
         child = Sequence(self.token_ids, self.params, self.block_size)
-        child.num_prompt_tokens, child.status = self.num_prompt_tokens, self.status
-        child.num_computed_tokens, child.num_cached_tokens = self.num_computed_tokens, self.num_cached_tokens
-        child.num_hashed_blocks, child.beam_width = self.num_hashed_blocks, self.beam_width
-        child.logprobs, child.cumulative_logprob = list(self.logprobs), self.cumulative_logprob
-        child.group, child.sample_index = self.group, len(self.group)
+        for name in ("num_prompt_tokens", "max_len", "status", "num_computed_tokens", "num_cached_tokens",
+                     "num_hashed_blocks", "beam_width", "cumulative_logprob", "text", "num_text_tokens"):
+            setattr(child, name, getattr(self, name))
+        child.logprobs = list(self.logprobs)
+        child.group = self.group
+        child.sample_index = len(self.group)
         self.group.append(child)
         return child
 
@@ -93,11 +107,11 @@ class Sequence:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
     def append_token(self, token_id: int, logprobs: dict[int, float] | None = None):
-        self.token_ids.append(-1)
+        self.token_ids.append(token_id)
         self.set_token(len(self.token_ids) - 1, token_id, logprobs)
 
     def set_token(self, position: int, token_id: int, logprobs: dict[int, float] | None = None):
-        """Put a sampled token where its placeholder is (see Scheduler.advance)."""
+        """Put a sampled token where its placeholder is (nanovllm/engine/run_ahead.py)."""
         self.token_ids[position] = token_id
         if logprobs is not None:
             self.logprobs.append(logprobs)

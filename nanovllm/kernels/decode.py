@@ -9,10 +9,13 @@ lse_i = m_i + log2(l_i), out = sum_i 2^(lse_i - max lse) * o_i / sum_i 2^(lse_i 
 Grouped-query attention: the GROUP query heads that share a KV head sit in one tile of rows (padded
 to 16 for `tl.dot`), so each K/V tile is read from memory once per group, not once per query head.
 
-CUDA graphs: NUM_SPLITS comes from static numbers (batch size, KV heads, SM count), the chunk length
-is computed inside the kernel from the sequence's context length, the partials go into preallocated
-scratch, and nothing here reads a device value on the host. Programs whose chunk is empty (short
-context, or context 0 in a graph's padding rows) return at once and the merge skips them.
+One launch serves a whole step: program row s is sequence s, whose query token is cu_seqlens_q[s].
+Rows that are not decodes (a prefill chunk of a mixed step, or a CUDA graph's padding, whose query
+length is 0) return at once, so a graph can launch a fixed number of rows and the data says which run.
+
+CUDA graphs: NUM_SPLITS comes from static numbers (rows, KV heads, SM count), the chunk length is
+computed inside the kernel from the sequence's context length, the partials go into preallocated
+scratch, and nothing here reads a device value on the host.
 """
 import math
 
@@ -36,27 +39,29 @@ def _split_range(context_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.const
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the table width changes from step to step
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, lse_ptr, qk_scale,
-    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
-    stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+    q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr,
+    out_ptr, partial_ptr, lse_ptr, qk_scale,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+    stride_ot, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    token = tl.load(cu_seqlens_q_ptr + seq)
+    if tl.load(cu_seqlens_q_ptr + seq + 1) - token != 1:
+        return  # not a decode: a prefill chunk (the prefill kernel's) or a padding row
     context_len = tl.load(context_lens_ptr + seq)
     start, end = _split_range(context_len, split, NUM_SPLITS, BLOCK_N)
-    if NUM_SPLITS > 1:  # with one split the program must still write zeros for an empty context
-        if start >= end:
-            return
+    if start >= end:
+        return
 
     rows = tl.arange(0, GROUP_PAD)  # query heads kv_head * GROUP + rows; rows >= GROUP are padding
     row_mask = rows < GROUP
     heads = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+    q = tl.load(q_ptr + token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                 mask=row_mask[:, None], other=0.0)  # [GROUP_PAD, D]
     k_ptr = k_cache_ptr + kv_head * stride_kh
     v_ptr = v_cache_ptr + kv_head * stride_kh
@@ -69,9 +74,9 @@ def _decode_split_kernel(
         keys = start_n + tl.arange(0, BLOCK_N)
         key_mask = keys < end
         kv_rows = kv_row_offsets(block_table_row, keys, key_mask, stride_kb, stride_ks, BLOCK_SIZE)
-        k = tl.load(k_ptr + kv_rows[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)  # [BLOCK_N, D]
-        v = tl.load(v_ptr + kv_rows[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)  # [BLOCK_N, D]
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units; the only place scale enters
+        k = tl.load(k_ptr + kv_rows[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_rows[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
         s = tl.where(key_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has at least one key < end
         alpha = tl.exp2(m_i - m_new)
@@ -80,34 +85,39 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i == 0 only for an empty context: output zeros
-    out_offs = seq * stride_ob + split * stride_os + heads[:, None] * stride_oh + dims[None, :]
-    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
-    if NUM_SPLITS > 1:
+    out = acc / l_i[:, None]
+    if NUM_SPLITS == 1:  # the one split is the answer: straight to the output row
+        dst = out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    else:
+        dst = partial_ptr + seq * stride_pb + split * stride_ps + heads[:, None] * stride_ph + dims[None, :]
+        tl.store(dst, out, mask=row_mask[:, None])
         tl.store(lse_ptr + seq * stride_lb + split * stride_ls + heads, m_i + tl.log2(l_i), mask=row_mask)
 
 
 @triton.jit
 def _merge_splits_kernel(
-    partial_ptr, lse_ptr, out_ptr, context_lens_ptr,
-    stride_pb, stride_ps, stride_ph, stride_lb, stride_ls, stride_ob, stride_oh,
+    partial_ptr, lse_ptr, out_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+    stride_pb, stride_ps, stride_ph, stride_lb, stride_ls, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    token = tl.load(cu_seqlens_q_ptr + seq)
+    if tl.load(cu_seqlens_q_ptr + seq + 1) - token != 1:
+        return
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM)
     context_len = tl.load(context_lens_ptr + seq)
     start, end = _split_range(context_len, splits, NUM_SPLITS, BLOCK_N)
     live = (splits < NUM_SPLITS) & (start < end)  # the splits that ran; the others left stale scratch
     lse = tl.load(lse_ptr + seq * stride_lb + splits * stride_ls + head, mask=live, other=float("-inf"))
-    lse_max = tl.where(context_len > 0, tl.max(lse, 0), 0.0)  # finite even with no live split (context 0)
-    weight = tl.exp2(lse - lse_max)  # [SPLITS_PAD]; 2^-inf = 0 for the dead splits
-    partial = tl.load(partial_ptr + seq * stride_pb + splits[:, None] * stride_ps + head * stride_ph + dims[None, :],
-                      mask=live[:, None], other=0.0)  # [SPLITS_PAD, D]
-    total = tl.sum(weight, 0)
-    out = tl.sum(weight[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)  # context 0: zeros
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+    weight = tl.exp2(lse - tl.max(lse, 0))  # [SPLITS_PAD]; 2^-inf = 0 for the dead splits
+    partial = tl.load(partial_ptr + seq * stride_pb + splits[:, None] * stride_ps + head * stride_ph
+                      + dims[None, :], mask=live[:, None], other=0.0)  # [SPLITS_PAD, D]
+    out = tl.sum(weight[:, None] * partial, 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims,
+             out.to(out_ptr.dtype.element_ty))
 
 
 def decode_config(head_dim: int) -> dict:
@@ -142,44 +152,51 @@ def decode_scratch(max_num_seqs: int, num_heads: int, num_kv_heads: int, head_di
     return partial, lse
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float, num_splits: int = 1,
-                     scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Attention of one query per sequence, q [B, Hq, D], over its context_lens[b] cached keys -> [B, Hq, D]."""
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                     scale: float, num_splits: int = 1, scratch: tuple | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of every sequence with one query token (a decode) over its context_lens[s] cached keys.
+
+    q [num_tokens, Hq, D] holds the step's queries; sequence s owns tokens cu_seqlens_q[s]:[s + 1]. Rows
+    with any other query length are left alone (a prefill chunk, or padding): writes out[token] of the
+    decodes only, so a mixed step's prefill kernel fills the rest of the same `out`.
+    """
+    num_heads, head_dim = q.shape[1:]
+    num_seqs, num_kv_heads = context_lens.shape[0], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
     assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert k_cache.stride() == v_cache.stride() and block_tables.stride(-1) == 1
-    assert 1 <= num_splits <= MAX_SPLITS
-    out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)  # [B, Hq, D]
-    if batch == 0:
+    assert 1 <= num_splits <= MAX_SPLITS and cu_seqlens_q.shape[0] == num_seqs + 1
+    out = torch.empty_like(q) if out is None else out
+    if num_seqs == 0:
         return out
     cfg = decode_config(head_dim)
     group = num_heads // num_kv_heads
-    if num_splits == 1:  # the one split writes the output itself: no scratch, no merge pass
-        partial, lse = out.unsqueeze(1), out[:, :1, 0]  # [B, 1, Hq, D]; lse [B, 1] is a placeholder, never written
-    else:
+    partial = lse = out.new_empty(0, 1, 1, 1)  # [B, S, Hq, D] and [B, S, Hq], needed with splits only
+    if num_splits > 1:
+        size = num_seqs * num_splits * num_heads
         if scratch is None:
-            scratch = (torch.empty(batch * num_splits * num_heads * head_dim, dtype=torch.float32, device=q.device),
-                       torch.empty(batch * num_splits * num_heads, dtype=torch.float32, device=q.device))
-        assert scratch[0].numel() >= batch * num_splits * num_heads * head_dim, "scratch sized for fewer splits"
-        partial = scratch[0][: batch * num_splits * num_heads * head_dim].view(batch, num_splits, num_heads, head_dim)
-        lse = scratch[1][: batch * num_splits * num_heads].view(batch, num_splits, num_heads)
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, partial, lse, scale * math.log2(math.e),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            scratch = (torch.empty(size * head_dim, dtype=torch.float32, device=q.device),
+                       torch.empty(size, dtype=torch.float32, device=q.device))
+        assert scratch[0].numel() >= size * head_dim, "scratch sized for fewer splits"
+        partial = scratch[0][:size * head_dim].view(num_seqs, num_splits, num_heads, head_dim)
+        lse = scratch[1][:size].view(num_seqs, num_splits, num_heads, 1)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, out, partial, lse,
+        scale * math.log2(math.e),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=num_splits, **cfg,
     )
     if num_splits > 1:
-        _merge_splits_kernel[(batch, num_heads)](
-            partial, lse, out, context_lens,
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            partial, lse, out, cu_seqlens_q, context_lens,
             partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
         )
     return out
-

@@ -1,6 +1,7 @@
 """Causal varlen prefill attention over the paged KV cache (FlashAttention-2 with online softmax).
 
-One program owns BLOCK_M queries of one sequence and one query head and walks the keys BLOCK_N at a
+One program owns a tile of BLOCK_M queries of one sequence and one query head (the tiles are listed
+by the caller, so a CUDA graph launches a fixed number of programs) and walks the keys BLOCK_N at a
 time, keeping a running max `m`, sum `l` and unnormalized output `acc` (online softmax), so the
 [q_len, k_len] score matrix never exists. Scores are kept in base 2: log2(e) is folded into the
 softmax scale once, and exp2 is the cheap instruction.
@@ -44,21 +45,21 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n, k_len
 @triton.jit(do_not_specialize=["stride_bt"])  # the table width changes from step to step
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr,
-    cu_seqlens_q_ptr, cu_seqlens_k_ptr, block_tables_ptr, qk_scale,
+    cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr, query_tiles_ptr, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     head = tl.program_id(0)
-    seq = tl.program_id(1)
-    # The last query tiles see the most keys: launch them first so the short ones fill the tail.
-    m_block = tl.num_programs(2) - 1 - tl.program_id(2)
+    tile = tl.program_id(1)
+    seq = tl.load(query_tiles_ptr + 2 * tile)  # tile = BLOCK_M queries of one sequence
+    if seq < 0:
+        return  # an unused tile of a CUDA graph
+    m_block = tl.load(query_tiles_ptr + 2 * tile + 1)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    if m_block * BLOCK_M >= q_len:
-        return
-    k_len = tl.load(cu_seqlens_k_ptr + seq + 1) - tl.load(cu_seqlens_k_ptr + seq)
+    k_len = tl.load(context_lens_ptr + seq)
 
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < q_len
@@ -81,11 +82,13 @@ def _prefill_kernel(
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     causal_end = tl.minimum(first_pos + BLOCK_M, k_len)  # one past the last query's position
     for start_n in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n, k_len, q_pos,
-                                     qk_scale, stride_kb, stride_ks, dims, BLOCK_SIZE, BLOCK_N, False)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n, k_len,
+                                     q_pos, qk_scale, stride_kb, stride_ks, dims, BLOCK_SIZE, BLOCK_N,
+                                     False)
     for start_n in range(full_end, causal_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n, k_len, q_pos,
-                                     qk_scale, stride_kb, stride_ks, dims, BLOCK_SIZE, BLOCK_N, True)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n, k_len,
+                                     q_pos, qk_scale, stride_kb, stride_ks, dims, BLOCK_SIZE, BLOCK_N,
+                                     True)
 
     # Every real row saw at least key 0, so l_i > 0 there; rows past q_len are not stored.
     out = acc / l_i[:, None]
@@ -94,32 +97,38 @@ def _prefill_kernel(
 
 
 def prefill_config(head_dim: int) -> dict:
-    """Tile sizes, measured on an H100: 64 queries a program (4 warps, 2 stages) x 32 keys (head_dim 128) or 64 keys.
-
-    Small query tiles give more programs, which balances the causal triangle's uneven work across SMs.
-    """
-    return dict(BLOCK_M=64, BLOCK_N=32 if head_dim > 64 else 64, num_warps=4, num_stages=2)
+    """Key tiles, measured on an H100: 32 keys (head_dim 128) or 64, 4 warps, 2 stages. The query
+    tile (BLOCK_M) is the caller's: 64 queries a program, small enough that the causal triangle's
+    uneven work spreads over the SMs."""
+    return dict(BLOCK_N=32 if head_dim > 64 else 64, num_warps=4, num_stages=2)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, block_tables: torch.Tensor,
-                      scale: float, max_seqlen_q: int) -> torch.Tensor:
-    """Causal attention of the packed queries q [Nq, Hq, D] over all keys of each sequence, read from the cache."""
-    num_tokens, num_heads, head_dim = q.shape
+                      cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                      block_tables: torch.Tensor, query_tiles: torch.Tensor, tile_size: int,
+                      scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of the query tiles over each sequence's keys, read from the cache.
+
+    q [num_tokens, Hq, D]; sequence s owns tokens cu_seqlens_q[s]:[s + 1] and has context_lens[s]
+    keys, its queries being the last ones. query_tiles [num_tiles, 2] int32 lists (sequence, tile
+    index) of `tile_size` queries each, sequence -1 for an unused tile. Writes those queries' rows
+    of `out` (a mixed step's decode kernel writes the others).
+    """
+    num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
-    num_seqs = cu_seqlens_q.shape[0] - 1
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
     assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert k_cache.stride() == v_cache.stride() and block_tables.stride(-1) == 1
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)  # [Nq, Hq, D]
-    if num_tokens == 0 or num_seqs == 0:
+    assert query_tiles.is_contiguous() and query_tiles.shape[1:] == (2,)
+    out = torch.empty_like(q) if out is None else out
+    if query_tiles.shape[0] == 0:
         return out
-    cfg = prefill_config(head_dim)
-    grid = (num_heads, num_seqs, triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]))
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, cu_seqlens_k, block_tables, scale * math.log2(math.e),
+    _prefill_kernel[(num_heads, query_tiles.shape[0])](
+        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, query_tiles,
+        scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], **cfg,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=tile_size, **prefill_config(head_dim),
     )
     return out

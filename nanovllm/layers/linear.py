@@ -40,6 +40,11 @@ def tp_rank_size() -> tuple[int, int]:
     return (group.rank(), group.size()) if group is not None else (0, 1)
 
 
+def heads_per_rank(num_heads: int, tp_size: int) -> int:
+    """Attention heads on each rank; KV heads fewer than the ranks are replicated (one per rank)."""
+    return max(1, num_heads // tp_size)
+
+
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
@@ -58,10 +63,6 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
-
-
-class ReplicatedLinear(LinearBase):
-    pass
 
 
 class ColumnParallelLinear(LinearBase):
@@ -96,8 +97,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
         tp_size = tp_rank_size()[1]
         self.head_dim = head_dim
-        self.num_heads = num_heads // tp_size
-        self.num_kv_heads = max(1, num_kv_heads // tp_size)
+        self.num_heads = heads_per_rank(num_heads, tp_size)
+        self.num_kv_heads = heads_per_rank(num_kv_heads, tp_size)
         self.kv_replicas = max(1, tp_size // num_kv_heads)  # ranks sharing one KV head
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, out, bias)

@@ -1,4 +1,4 @@
-"""Model registry: config.json's `architectures` name -> how to build the model."""
+"""Model registry: config.json's `architectures` (or else its `model_type`) -> how to build the model."""
 from functools import partial
 
 from nanovllm.models.llama import LlamaForCausalLM
@@ -8,12 +8,14 @@ MODELS = {
     "Qwen2ForCausalLM": partial(LlamaForCausalLM, qkv_bias=True),
     "Qwen3ForCausalLM": partial(LlamaForCausalLM, qk_norm=True),
 }
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def model_class(hf_config: dict):
     """The builder for the checkpoint's architecture, or a ValueError listing the supported ones."""
-    archs = hf_config.get("architectures") or []
+    archs = hf_config.get("architectures") or [MODEL_TYPES.get(hf_config.get("model_type"), "")]
     for arch in archs:
         if arch in MODELS:
             return MODELS[arch]
-    raise ValueError(f"architectures={archs} is not supported; supported: {sorted(MODELS)}")
+    raise ValueError(f"architectures={archs} (model_type={hf_config.get('model_type')!r}) is not supported; "
+                     f"supported: {sorted(MODELS)} (model_type {sorted(MODEL_TYPES)})")

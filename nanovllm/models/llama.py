@@ -1,13 +1,14 @@
 """The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3) in plain PyTorch.
 
 Qwen2 adds a bias to the qkv projection, Qwen3 an RMSNorm on each query and key head; the rest
-is the same pre-norm transformer. The rotary step writes each new token's K/V into the paged KV cache
-and the pluggable attention backend reads them from there; `forward` returns hidden states and `compute_logits` the logits.
+is the same pre-norm transformer. Attention is PagedAttention's two halves: `write` (rotary, then each
+new token's K/V into the paged cache) and `read` (the pluggable backend, over the cache).
 """
 import torch
 from torch import nn
 
 from nanovllm.attention import AttentionBackend, AttentionMetadata
+from nanovllm.attention.paged_attention import PagedAttention
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -16,25 +17,23 @@ from nanovllm.layers.rotary import RotaryEmbedding, rope_config
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: dict, backend: AttentionBackend, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, cfg: dict, backend: AttentionBackend, rotary: RotaryEmbedding, qkv_bias: bool,
+                 qk_norm: bool):
         super().__init__()
-        hidden, self.head_dim = cfg["hidden_size"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, cfg["num_attention_heads"],
+        self.head_dim = cfg["head_dim"]
+        self.qkv_proj = QKVParallelLinear(cfg["hidden_size"], self.head_dim, cfg["num_attention_heads"],
                                           cfg["num_key_value_heads"], bias=qkv_bias)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(cfg["num_attention_heads"] * self.head_dim, hidden)
-        self.rotary_emb = rotary
+        self.num_heads = self.qkv_proj.num_heads  # on this rank
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(cfg["num_attention_heads"] * self.head_dim, cfg["hidden_size"])
         self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"]) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"]) if qk_norm else None
-        self.backend = backend
-        self.k_cache = self.v_cache = torch.tensor([])  # [num_blocks, block_size, num_kv_heads, head_dim], set by the runner
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, rotary, backend)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)  # q, k, v heads
-        # rotate q and k; k and v go to their cache slots, where the backend reads them with the earlier ones
-        q = self.rotary_emb(positions, qkv, self.num_heads, self.q_norm, self.k_norm, self.k_cache, self.v_cache,
-                            meta.slot_mapping)
-        return self.o_proj(self.backend.forward(q, self.k_cache, self.v_cache, meta).flatten(1))
+        qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q = self.attn.write(qkv, positions, meta.slot_mapping, self.q_norm, self.k_norm)
+        return self.o_proj(self.attn.read(q, meta).flatten(1))
 
 
 class MLP(nn.Module):
@@ -49,7 +48,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: dict, backend: AttentionBackend, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, cfg: dict, backend: AttentionBackend, rotary: RotaryEmbedding, qkv_bias: bool,
+                 qk_norm: bool):
         super().__init__()
         self.self_attn = Attention(cfg, backend, rotary, qkv_bias, qk_norm)
         self.mlp = MLP(cfg["hidden_size"], cfg["intermediate_size"])
@@ -70,13 +70,13 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: dict, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        rotary = RotaryEmbedding(head_dim, cfg["max_position_embeddings"], *rope_config(cfg))  # one table for all layers
+        # one table for all layers
+        rotary = RotaryEmbedding(cfg["head_dim"], cfg["max_position_embeddings"], *rope_config(cfg))
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, rotary, qkv_bias, qk_norm)
                                     for _ in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
@@ -88,7 +88,8 @@ class LlamaForCausalLM(nn.Module):
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, cfg: dict, backend: AttentionBackend, qkv_bias: bool | None = None, qk_norm: bool = False):
+    def __init__(self, cfg: dict, backend: AttentionBackend, qkv_bias: bool | None = None,
+                 qk_norm: bool = False):
         super().__init__()
         qkv_bias = cfg.get("attention_bias", False) if qkv_bias is None else qkv_bias
         self.model = LlamaModel(cfg, backend, qkv_bias, qk_norm)
@@ -96,8 +97,8 @@ class LlamaForCausalLM(nn.Module):
         if cfg.get("tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] of the new tokens; K/V are written to the cache on the way."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        """Hidden states [num_tokens, hidden] of the new tokens; K/V go to the cache on the way."""
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

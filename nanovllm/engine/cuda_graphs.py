@@ -1,0 +1,135 @@
+"""CUDA graphs for every step (nano-vllm captures decode steps; vLLM v1 captures mixed steps too).
+
+A step is a few hundred small kernels; launched one by one they leave the GPU waiting for the host.
+Replaying a graph captured once launches them all at once. Each step is padded to a captured size: a
+step of decodes only to the next batch size of one ladder, any other step to the next token count of
+another, up to max_num_batched_tokens. Padding tokens write no K/V (slot -1); padding sequences have
+no tokens and no keys. Each graph reads its inputs from a flat tensor of its own, at fixed addresses,
+into which a step's upload (laid out by the graph's sizes: ModelRunner.upload) is copied. The graphs
+are captured largest first and share one memory pool.
+
+How much of a step a graph holds is the backend's to say (AttentionBackend.cudagraph_support):
+- a whole graph where the attention kernels take their grids from the graph's sizes and read from the
+  data which rows to run: the triton backend for any step, flash-attn's decode kernel for decodes;
+- a piecewise graph otherwise (vLLM v1's piecewise mode): the layers between two attention calls are
+  captured, and attention runs eagerly between the replays, with the step's own shapes (flash-attn's
+  varlen kernel and sdpa take them from the host).
+"""
+import torch
+
+from nanovllm.attention import QUERY_TILE
+from nanovllm.engine.model_runner import field_sizes, unpack
+
+
+def token_ladder(largest: int) -> list[int]:
+    """16, 24, 32, 48, 64, ... (powers of two and halfway between), up to `largest`."""
+    sizes = {largest}
+    for size in (16 << i for i in range(largest.bit_length())):
+        sizes |= {s for s in (size, size * 3 // 2) if s < largest}
+    return sorted(sizes)
+
+
+class FullGraph:
+    """A whole forward pass."""
+
+    def __init__(self, model, inputs: tuple, pool):
+        model(*inputs)  # warm up: torch.compile and the libraries' workspaces, outside the capture
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool):
+            self.hidden = model(*inputs)
+
+    def replay(self, flat: torch.Tensor, meta) -> torch.Tensor:
+        self.inputs.copy_(flat[:self.inputs.numel()])
+        self.graph.replay()
+        return self.hidden
+
+
+class PiecewiseGraph:
+    """A forward pass cut at its attention calls: one graph per piece, attention between them."""
+
+    def __init__(self, model, inputs: tuple, attns: list, q: torch.Tensor, out: torch.Tensor, pool):
+        self.q, self.out, self.pool = q, out, pool
+        self.graphs, self.layers = [], []  # (attention layer, its backend) after each graph but the last
+        backends = [attn.backend for attn in attns]
+        for attn in attns:
+            attn.backend = self  # the stand-in that cuts (see forward)
+        try:
+            self.capturing = False
+            model(*inputs)  # warm up
+            self.capturing = True
+            torch.cuda.synchronize()
+            with torch.cuda.stream(torch.cuda.Stream()):
+                self._begin()
+                self.hidden = model(*inputs)
+                self.graphs[-1].capture_end()
+        finally:
+            for attn, backend in zip(attns, backends):
+                attn.backend = backend
+        self.layers = [(k, v, backend) for (k, v), backend in zip(self.layers, backends)]
+
+    def _begin(self):
+        self.graphs.append(torch.cuda.CUDAGraph())
+        self.graphs[-1].capture_begin(pool=self.pool)
+
+    def forward(self, q, k_cache, v_cache, meta) -> torch.Tensor:
+        """Stands in for the attention backend while capturing: end this piece, begin the next."""
+        if self.capturing:
+            self.q[:len(q)] = q
+            self.graphs[-1].capture_end()
+            self.layers.append((k_cache, v_cache))
+            self._begin()
+        return self.out[:len(q)]
+
+    def replay(self, flat: torch.Tensor, meta) -> torch.Tensor:
+        self.inputs.copy_(flat[:self.inputs.numel()])
+        n = meta.slot_mapping.shape[0]
+        for graph, (k_cache, v_cache, backend) in zip(self.graphs, self.layers):
+            graph.replay()
+            self.out[:n] = backend.forward(self.q[:n], k_cache, v_cache, meta)
+        self.graphs[-1].replay()
+        return self.hidden
+
+
+class CUDAGraphs:
+    """Every graph of a model runner, by (kind, size)."""
+
+    def __init__(self, runner):
+        config = runner.config
+        max_tokens, max_seqs = config.max_num_batched_tokens, config.max_num_seqs
+        largest_batch = min(max_seqs, max_tokens)
+        self.decode_sizes = sorted({s for s in (1, 2, 4, 8, *range(16, largest_batch, 16)) if s < largest_batch}
+                                   | {largest_batch})
+        self.token_sizes = token_ladder(max_tokens)
+        support = runner.backend.cudagraph_support
+        if support != "always":  # where the pieces hand queries to attention and take its output back
+            q = torch.empty(max_tokens, runner.backend.num_heads, config.hf_config["head_dim"],
+                            dtype=config.torch_dtype, device=runner.device)
+            out = torch.empty_like(q)
+        self.graphs = {}
+        pool = torch.cuda.graph_pool_handle()
+        shapes = [("mixed", t) for t in self.token_sizes] + [("decode", s) for s in self.decode_sizes]
+        for kind, size in sorted(shapes, key=lambda shape: -shape[1]):
+            sizes = self.sizes(kind, size, max_seqs, runner.max_blocks)
+            inputs = torch.zeros(sum(field_sizes(*sizes)), dtype=torch.int32, device=runner.device)
+            args = unpack(inputs, sizes, sizes, num_decodes=sizes[1])
+            whole = support == "always" or (support == "decode" and kind == "decode")
+            graph = (FullGraph(runner.model, args, pool) if whole else
+                     PiecewiseGraph(runner.model, args, runner.kv_cache.attns, q, out, pool))
+            graph.sizes, graph.inputs = sizes, inputs
+            self.graphs[kind, size] = graph
+        if runner.tp is not None:
+            runner.tp.graphs = self.graphs  # destroyed before NCCL shuts down (TPGroup.close)
+
+    @staticmethod
+    def sizes(kind: str, size: int, max_seqs: int, width: int) -> tuple[int, int, int, int]:
+        """(tokens, sequences, query tiles, block table width) of a graph."""
+        if kind == "decode":
+            return size, size, 0, width
+        num_seqs = min(size, max_seqs)
+        return size, num_seqs, size // QUERY_TILE + num_seqs, width
+
+    def find(self, step):
+        """The graph a step runs in: the smallest of its kind that holds it."""
+        if step.num_decodes == len(step.context_lens):
+            return self.graphs["decode", next(s for s in self.decode_sizes if s >= step.num_decodes)]
+        return self.graphs["mixed", next(s for s in self.token_sizes if s >= len(step.input_ids))]

@@ -1,0 +1,67 @@
+"""Input processing (vLLM v1's processor): a request's prompt and sampling parameters, validated and
+tokenized into its first Sequence, before anything is queued. A request that could never run is
+refused here, with the numbers, rather than failing later inside a step."""
+import os
+import time
+
+from nanovllm.engine.sequence import Sequence, num_blocks_for
+from nanovllm.outputs import RequestMetrics
+from nanovllm.sampling_params import SamplingParams
+
+
+def load_tokenizer(model: str):
+    """The model directory's Hugging Face tokenizer; a ValueError if it has none."""
+    if not any(os.path.isfile(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise ValueError(f"model={model!r} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json); "
+                         "add one, or pass skip_tokenizer_init=True and give prompts as token ids")
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model)
+
+
+class InputProcessor:
+    def __init__(self, config, tokenizer, num_kvcache_blocks: int):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.num_kvcache_blocks = num_kvcache_blocks
+
+    def make_sequence(self, prompt, params: SamplingParams | None, beam_width: int = 0) -> Sequence:
+        """Validate one request and build its (root) sequence: a prompt is a string, a list of token
+        ids, or vLLM's {"prompt": string} or {"prompt_token_ids": list}."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, dict) and len(prompt) == 1 and {"prompt", "prompt_token_ids"} & prompt.keys():
+            prompt = next(iter(prompt.values()))
+        text = prompt if isinstance(prompt, str) else None
+        if self.tokenizer is None and (params.stop or text is not None):
+            what = f"stop={params.stop}" if params.stop else "a text prompt"
+            raise ValueError(f"{what} needs the tokenizer: use token ids (stop_token_ids), or drop skip_tokenizer_init")
+        if text is not None:
+            prompt = self.tokenizer.encode(text)
+        if not isinstance(prompt, (list, tuple)) or not all(type(t) is int for t in prompt):
+            raise TypeError(f"a prompt must be a string, a list of token ids (int) or a dict with 'prompt' "
+                            f"or 'prompt_token_ids', not {type(prompt).__name__}")
+        vocab, max_len = self.config.hf_config["vocab_size"], self.config.max_model_len
+        if not prompt:
+            raise ValueError("prompt is empty: it needs at least one token")
+        if len(prompt) >= max_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len={max_len} leaves room for "
+                             f"prompts of at most {max_len - 1} (one position for a generated token)")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs={params.logprobs} is more than the vocabulary size {vocab}")
+        width = max(params.n, beam_width)  # sequences the request may run at once
+        if width > self.config.max_num_seqs:
+            raise ValueError(f"the request runs {width} sequences at once (n or beam_width) but "
+                             f"max_num_seqs={self.config.max_num_seqs}")
+        # the worst case: preempted by recomputation, its sequences share nothing but full prompt blocks
+        block_size = self.config.kvcache_block_size
+        need = width * num_blocks_for(min(len(prompt) + params.max_tokens, max_len), block_size)
+        if need > self.num_kvcache_blocks:
+            raise ValueError(f"the request needs {need} KV-cache blocks but the whole cache has "
+                             f"{self.num_kvcache_blocks}; lower max_tokens (or n) or enlarge the cache")
+        seq = Sequence(prompt, params, block_size, max_len)
+        seq.prompt, seq.metrics = text, RequestMetrics(time.monotonic())
+        return seq

@@ -1,0 +1,46 @@
+"""Run-ahead (vLLM's async scheduling): the engine launches step t+1 before it reads step t's tokens,
+so the GPU does not wait while the host schedules.
+
+A token that step t samples is unknown on the host when step t+1 is scheduled. It stands in its
+sequence as a placeholder, -(r + 1) for row r of step t's samples. Step t+1's inputs may hold
+placeholders: the model runner fills them on the device from the tokens step t left there
+(`fill_placeholders`). When the engine reads step t's tokens (`SampledTokens`), the scheduler puts
+them in place of the placeholders. A sequence that ended at step t has wasted one token of step t+1.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+def placeholder(row: int) -> int:
+    """What stands for the token sampled at row `row` of the step in flight."""
+    return -(row + 1)
+
+
+def fill_placeholders(input_ids: torch.Tensor, last_tokens: torch.Tensor):
+    """Replace (in place) each placeholder in input_ids by the token the last step sampled at its row."""
+    rows = (-input_ids - 1).clamp(min=0)
+    torch.where(input_ids < 0, last_tokens[rows].to(input_ids.dtype), input_ids, out=input_ids)
+
+
+@dataclass
+class SampledTokens:
+    """A launched step's sampled token ids on their way to the host (and their log-probabilities)."""
+    host: torch.Tensor                  # [rows] int64, pinned on CUDA: filled once `ready` is reached
+    ready: torch.cuda.Event | None
+    logprobs: list | None = None
+
+    @classmethod
+    def copy_to_host(cls, token_ids: torch.Tensor, logprobs: list | None) -> "SampledTokens":
+        if not token_ids.is_cuda:
+            return cls(token_ids, None, logprobs)
+        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+        host.copy_(token_ids, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(host, ready, logprobs)
+
+    def tolist(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()  # waits for that step only, not for one launched after it
+        return self.host.tolist()
