@@ -52,7 +52,8 @@ def decode_throughput(llm: LLM, batch: int, length: int) -> float:
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=length, output_kind="final")
     for _ in range(batch):
         llm.add_request([randint(0, 10000) for _ in range(length)], params)
-    while llm.num_generation_tokens < batch:  # prefill (every request's first token)
+    base = llm.num_generation_tokens
+    while llm.num_generation_tokens - base < batch:  # prefill (every request's first token)
         llm.step()
     start, first = time.perf_counter(), llm.num_generation_tokens
     while not llm.is_finished():

@@ -122,7 +122,8 @@ def decode_steps(args):
     llm = LLM(ARCH, load_format="dummy", skip_tokenizer_init=True, attn_backend=args.attn_backend,
               enforce_eager=args.enforce_eager)
     seed(0)
-    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.steps * 3 + 10)
+    final = {"output_kind": "final"} if "output_kind" in SamplingParams.__dataclass_fields__ else {}
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.steps * 3 + 10, **final)
     for _ in range(args.batch):
         llm.add_request([randint(0, 10000) for _ in range(args.context)], params)
     for _ in range(args.steps + 4):  # prefill, then warm up decode

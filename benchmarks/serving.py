@@ -21,7 +21,7 @@ import random
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH
 from nanovllm import LLM, SamplingParams  # noqa: E402
 
 ARCHS = os.path.dirname(os.path.abspath(__file__))

@@ -13,7 +13,7 @@ raising their reference counts; a sequence about to write into a block that othe
 gets its own copy first (copy-on-write), and the (source, destination) pair goes to the model
 runner. (Swap preemption's CPU pool is nanovllm/engine/swap.py.)
 """
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from itertools import count
 
 import numpy as np
@@ -117,21 +117,23 @@ class BlockManager:
             seq.num_cached_tokens = seq.num_computed_tokens
         return True
 
-    def num_blocks_to_append(self, seqs: list[Sequence], ref_counts=None) -> int:
+    def num_blocks_to_append(self, seqs: list[Sequence], ref_counts: list[int] | None = None) -> int:
         """New blocks the sequences (one, or a group) need before their next tokens fit: fresh tail
         blocks, plus copies of a shared block they write into (k of its r holders writing make
         min(k, r - 1) copies). `ref_counts`: where their blocks' counts are, if not here."""
-        new, writers = 0, Counter()
+        new, writes = 0, []
         for seq in seqs:
-            if seq.num_computed_tokens == seq.num_tokens:
+            num_tokens = len(seq.token_ids)
+            if seq.num_computed_tokens == num_tokens:
                 continue  # a beam waiting for beam search writes nothing
-            new += max(0, num_blocks_for(seq.num_tokens, self.block_size) - len(seq.block_table))
+            new += max(0, num_blocks_for(num_tokens, self.block_size) - len(seq.block_table))
             i = seq.num_computed_tokens // self.block_size  # the block the next token goes into
             if i < len(seq.block_table):
-                writers[seq.block_table[i]] += 1
-        if ref_counts is None:
-            ref_counts = {b: self.blocks[b].ref_count for b in writers}
-        return new + sum(min(k, ref_counts[b] - 1) for b, k in writers.items())
+                writes.append(seq.block_table[i])
+        for b in set(writes):
+            count = ref_counts[b] if ref_counts is not None else self.blocks[b].ref_count
+            new += min(writes.count(b), count - 1)
+        return new
 
     def append_blocks(self, seq: Sequence) -> list[tuple[int, int]]:
         """Give every token of the sequence a slot it may write: copy-on-write the block the next token goes into

@@ -4,8 +4,8 @@ A step is a few hundred small kernels; launched one by one they leave the GPU wa
 Replaying a graph captured once launches them all at once. Each step is padded to a captured size: a
 step of decodes only to the next batch size of one ladder, any other step to the next token count of
 another, up to max_num_batched_tokens. Padding tokens write no K/V (slot -1); padding sequences have
-no tokens and no keys. Each graph reads its inputs from a flat tensor of its own, at fixed addresses,
-into which a step's upload (laid out by the graph's sizes: ModelRunner.upload) is copied. The graphs
+no tokens and no keys. Each graph reads its inputs from a flat tensor of its own, at fixed addresses:
+a step laid out by the graph's sizes is uploaded into it (ModelRunner.upload). The graphs
 are captured largest first and share one memory pool.
 
 How much of a step a graph holds is the backend's to say (AttentionBackend.cudagraph_support):
@@ -38,8 +38,7 @@ class FullGraph:
         with torch.cuda.graph(self.graph, pool):
             self.hidden = model(*inputs)
 
-    def replay(self, flat: torch.Tensor, meta) -> torch.Tensor:
-        self.inputs.copy_(flat[:self.inputs.numel()])
+    def replay(self, meta) -> torch.Tensor:
         self.graph.replay()
         return self.hidden
 
@@ -80,8 +79,7 @@ class PiecewiseGraph:
             self._begin()
         return self.out[:len(q)]
 
-    def replay(self, flat: torch.Tensor, meta) -> torch.Tensor:
-        self.inputs.copy_(flat[:self.inputs.numel()])
+    def replay(self, meta) -> torch.Tensor:
         n = meta.slot_mapping.shape[0]
         for graph, (k_cache, v_cache, backend) in zip(self.graphs, self.layers):
             graph.replay()
@@ -110,7 +108,8 @@ class CUDAGraphs:
         shapes = [("mixed", t) for t in self.token_sizes] + [("decode", s) for s in self.decode_sizes]
         for kind, size in sorted(shapes, key=lambda shape: -shape[1]):
             sizes = self.sizes(kind, size, max_seqs, runner.max_blocks)
-            inputs = torch.zeros(sum(field_sizes(*sizes)), dtype=torch.int32, device=runner.device)
+            # the step's fields at fixed addresses, then room for its sampled rows (ModelRunner.upload)
+            inputs = torch.zeros(sum(field_sizes(*sizes)) + max_seqs, dtype=torch.int32, device=runner.device)
             args = unpack(inputs, sizes, sizes, num_decodes=sizes[1])
             whole = support == "always" or (support == "decode" and kind == "decode")
             graph = (FullGraph(runner.model, args, pool) if whole else

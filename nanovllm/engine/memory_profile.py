@@ -28,7 +28,7 @@ def num_blocks_that_fit(runner) -> int:
     table = [0] * num_blocks_for(length, config.kvcache_block_size)  # every token writes into block 0
     slots = [p % config.kvcache_block_size for p in range(length)]
     runner.execute(StepInputs([0] * cu[-1], list(range(length)) * num_seqs, slots * num_seqs, cu,
-                              [length] * num_seqs, [table] * num_seqs, 0, cu[1:]))
+                              [length] * num_seqs, [table] * num_seqs, 0, [end - 1 for end in cu[1:]]))
     logits = torch.randn(config.max_num_seqs, config.hf_config["vocab_size"], device=device)
     for params in (SamplingParams(top_p=0.9), SamplingParams()):  # top-p's sort is the sampler's peak
         sample(logits, runner.sampling_tensors([(Sequence([0], params, 1), 0)] * config.max_num_seqs))

@@ -46,7 +46,10 @@ def step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
     for seq, start, n, k in zip(batch.seqs, batch.starts, batch.num_new_tokens, batch.num_samples):
         step.input_ids += seq.token_ids[start:start + n]
         step.positions += range(start, start + n)
-        step.slot_mapping += slot_mapping(seq.block_table, start, start + n, block_size)
+        if n == 1:  # a decode: the slot of its one token, without a function call (hundreds per step)
+            step.slot_mapping.append(seq.block_table[start // block_size] * block_size + start % block_size)
+        else:
+            step.slot_mapping += slot_mapping(seq.block_table, start, start + n, block_size)
         step.cu_seqlens_q.append(step.cu_seqlens_q[-1] + n)
         step.context_lens.append(start + n)
         step.sample_rows += [step.cu_seqlens_q[-1] - 1] * k
@@ -125,11 +128,11 @@ class ModelRunner:
             num_blocks = CPU_KVCACHE_BYTES // self.kv_cache.block_bytes
         return num_blocks if self.tp is None else self.tp.min(num_blocks)
 
-    def upload(self, step: StepInputs, sizes: tuple[int, int, int, int]) -> torch.Tensor:
-        """The step's int32 fields in one flat tensor on the device (one copy), laid out by `sizes`
-        (tokens, sequences, query tiles, table width), which may pad it (to a CUDA graph's sizes): padding
-        tokens write nowhere (slot -1), padding sequences have no tokens and no keys, padding tiles no
-        sequence. The sampled rows' token indices follow."""
+    def upload(self, step: StepInputs, sizes: tuple[int, int, int, int], into: torch.Tensor | None = None):
+        """The step's int32 fields in one flat tensor on the device (one copy; into `into`, a CUDA graph's
+        inputs, if given), laid out by `sizes` (tokens, sequences, query tiles, table width), which may pad
+        it (to a graph's sizes): padding tokens write nowhere (slot -1), padding sequences have no tokens
+        and no keys, padding tiles no sequence. The sampled rows' token indices follow."""
         num_seqs, width = sizes[1], sizes[3]
         tables = [b for table in step.block_tables for b in table + [0] * (width - len(table))]
         cu_k = list(accumulate(step.context_lens, initial=0))
@@ -141,7 +144,9 @@ class ModelRunner:
             flat += field
             flat += [pad] * (size - len(field))
         pinned = torch.tensor(flat + step.sample_rows, dtype=torch.int32, pin_memory=self.device.type == "cuda")
-        return pinned.to(self.device, non_blocking=True)
+        if into is None:
+            return pinned.to(self.device, non_blocking=True)
+        return into[:pinned.numel()].copy_(pinned, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> torch.Tensor | None:
@@ -154,12 +159,12 @@ class ModelRunner:
         lengths = (len(step.input_ids), len(step.context_lens), num_tiles, max(map(len, step.block_tables)))
         graph = self.graphs.find(step) if self.graphs is not None else None
         layout = graph.sizes if graph is not None else lengths
-        flat = self.upload(step, layout)
+        flat = self.upload(step, layout, graph.inputs if graph is not None else None)
         input_ids, positions, meta = unpack(flat, layout, lengths, step.num_decodes, step)
         if min(step.input_ids) < 0:
             self.fill_placeholders(input_ids)
         if graph is not None:
-            hidden = graph.replay(flat, meta)
+            hidden = graph.replay(meta)
         else:
             hidden = self.model(input_ids, positions, meta)
         sample_rows = flat[flat.numel() - len(step.sample_rows):]

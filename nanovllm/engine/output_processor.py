@@ -57,38 +57,40 @@ class OutputProcessor:
 
     def text(self, seq: Sequence, end: int) -> str:
         """The completion's text up to token `end`, extending what earlier calls decoded."""
-        ids = seq.token_ids[seq.num_prompt_tokens:end]
-        start = max(0, seq.num_text_tokens - CONTEXT_TOKENS)
-        skip = seq.params.skip_special_tokens
-        before = self.decode(ids[start:seq.num_text_tokens], skip)
-        after = self.decode(ids[start:], skip)
+        if self.tokenizer is None:
+            return ""
+        first, done = seq.num_prompt_tokens, seq.num_prompt_tokens + seq.num_text_tokens
+        start, skip = max(first, done - CONTEXT_TOKENS), seq.params.skip_special_tokens
+        before = self.decode(seq.token_ids[start:done], skip)
+        after = self.decode(seq.token_ids[start:end], skip)
         if not after.endswith("\ufffd"):  # a character still missing bytes waits for its next token
             seq.text += after[len(before):]
-            seq.num_text_tokens = len(ids)
+            seq.num_text_tokens = end - first
         return seq.text
 
     def completion(self, seq: Sequence, index: int) -> CompletionOutput:
         """One sample: all its tokens once it ended, else those known (a step in flight excluded)."""
+        first, end = seq.num_prompt_tokens, len(seq.token_ids)
         if seq.is_finished:
-            text = self.decode(seq.completion_token_ids, seq.params.skip_special_tokens)
+            text = self.decode(seq.token_ids[first:], seq.params.skip_special_tokens)
             if isinstance(seq.stop_reason, str):
                 text = text[:text.find(seq.stop_reason)]
         else:
-            end = next((i for i, t in enumerate(seq.token_ids) if t < 0), len(seq.token_ids))
+            while seq.token_ids[end - 1] < 0:  # a placeholder of a step in flight (run_ahead.py)
+                end -= 1
             text = self.text(seq, end)
             text = text[:len(text) - max(map(len, seq.params.stop), default=1) + 1]  # may become a stop string
-        token_ids = seq.completion_token_ids if seq.is_finished else seq.token_ids[seq.num_prompt_tokens:end]
-        out = CompletionOutput(index, text, token_ids, finish_reason=seq.finish_reason,
-                               stop_reason=seq.stop_reason)
+        old_chars, old_tokens = (seq.num_reported_chars, seq.num_reported_tokens) if seq.params.output_kind == "delta" \
+            else (0, 0)  # with "delta", only what is new since the last report
+        seq.num_reported_chars, seq.num_reported_tokens = len(text), end - first
+        out = CompletionOutput(index, text[old_chars:], seq.token_ids[first + old_tokens:end],
+                               finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
         if seq.params.logprobs is not None:
-            out.logprobs, out.cumulative_logprob = seq.logprobs, seq.cumulative_logprob
-        if seq.params.output_kind == "delta":  # only what is new since the last report
-            out.text, out.token_ids = text[seq.num_reported_chars:], token_ids[seq.num_reported_tokens:]
-            seq.num_reported_chars, seq.num_reported_tokens = len(text), len(token_ids)
+            out.logprobs, out.cumulative_logprob = seq.logprobs[old_tokens:], seq.cumulative_logprob
         return out
 
     def output(self, root: Sequence) -> RequestOutput:
         """The request's output: each sample (all its sequences, for n > 1), finished or so far."""
-        return RequestOutput(root.request_id, root.prompt, root.token_ids[:root.num_prompt_tokens],
+        return RequestOutput(root.request_id, root.prompt, root.prompt_token_ids,
                              [self.completion(seq, i) for i, seq in enumerate(root.group)],
                              all(seq.is_finished for seq in root.group), root.num_cached_tokens, root.metrics)

@@ -45,15 +45,14 @@ class ScheduledBatch:
         return sum(n == 1 for n in self.num_new_tokens)
 
 
-def is_decode(seq: Sequence) -> bool:
-    """Whether the sequence's only token to compute is the one it sampled last."""
-    return seq.num_tokens - seq.num_computed_tokens == 1 and seq.num_completion_tokens > 0
-
-
-def has_work(seq: Sequence) -> bool:
-    """Whether the sequence has a token to compute. One whose pending token is its last (it reached
-    max_tokens or max_model_len) has none: `update` ends it when the token arrives."""
-    return seq.num_computed_tokens < seq.num_tokens and not (is_decode(seq) and len(seq) >= seq.max_len)
+def runnable(seq: Sequence, decodes: bool) -> bool:
+    """Whether the sequence has a token to compute (with decodes=False: one that is not a decode, i.e.
+    not only the token it sampled last). One whose pending token is its last (it reached max_tokens
+    or max_model_len) has none: `update` ends it when the token arrives."""
+    num_tokens = len(seq.token_ids)
+    if num_tokens - seq.num_computed_tokens != 1 or num_tokens == seq.num_prompt_tokens:
+        return seq.num_computed_tokens < num_tokens
+    return decodes and num_tokens < seq.max_len
 
 
 class Scheduler:
@@ -87,7 +86,7 @@ class Scheduler:
         return batch
 
     def _add(self, batch: ScheduledBatch, seq: Sequence):
-        n = min(seq.num_tokens - seq.num_computed_tokens, self.budget)
+        n = min(len(seq.token_ids) - seq.num_computed_tokens, self.budget)
         self.budget -= n
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
@@ -106,7 +105,7 @@ class Scheduler:
         while groups:
             group = groups.popleft()
             kept.append(group)
-            seqs = [s for s in group if has_work(s) and (decodes or not is_decode(s))]
+            seqs = [s for s in group if runnable(s, decodes)]
             if not seqs or self.budget < len(seqs):
                 continue
             while self.block_manager.num_blocks_to_append(seqs) > self.block_manager.num_free_blocks:
@@ -150,18 +149,18 @@ class Scheduler:
         """Order the batch (one-token sequences first, longest context first: the attention kernels
         finish with the short ones) and record its progress, with a placeholder for each sampled
         token; the other samples of a new n-sample request fork now, each with its own row."""
-        order = sorted(range(len(batch.seqs)),
-                       key=lambda i: (batch.num_new_tokens[i] > 1, -len(batch.seqs[i])))
-        batch.seqs = [batch.seqs[i] for i in order]
-        batch.num_new_tokens = [batch.num_new_tokens[i] for i in order]
+        decodes = sorted((s for s, n in zip(batch.seqs, batch.num_new_tokens) if n == 1), key=len, reverse=True)
+        chunks = [(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 1]
+        batch.seqs = decodes + [s for s, _ in chunks]
+        batch.num_new_tokens = [1] * len(decodes) + [n for _, n in chunks]
         row = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             batch.starts.append(seq.num_computed_tokens)
             seq.num_computed_tokens += n
+            position = len(seq.token_ids)
             k = 0
-            if seq.num_computed_tokens == seq.num_tokens:  # the last known token: it samples
+            if seq.num_computed_tokens == position:  # the last known token: it samples
                 k = seq.params.n if len(seq.group) == 1 else 1
-                position = seq.num_tokens
                 for j, sample in enumerate([seq] + [self.fork(seq) for _ in range(k - 1)]):
                     batch.sampled.append((sample, row + j, position))
                     if not sample.beam_width:  # a beam gets candidates instead

@@ -57,6 +57,7 @@ class Sequence:
         self.num_reported_chars = self.num_reported_tokens = 0  # for output_kind="delta"
         self.request_id: int | str = self.seq_id  # the root's: the request's id, text and timings
         self.prompt: str | None = None
+        self.prompt_token_ids = self.token_ids[:self.num_prompt_tokens]
         self.metrics = None
         self.group: list[Sequence] = [self]  # the request's sequences; [0] is the root
         self.sample_index = 0   # which sample of the request (seeds its sampler with the request's seed)

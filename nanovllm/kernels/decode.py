@@ -50,9 +50,10 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     token = tl.load(cu_seqlens_q_ptr + seq)
-    if tl.load(cu_seqlens_q_ptr + seq + 1) - token != 1:
+    next_token = tl.load(cu_seqlens_q_ptr + seq + 1)
+    context_len = tl.load(context_lens_ptr + seq)  # loaded with the others: one round trip, not two
+    if next_token - token != 1:
         return  # not a decode: a prefill chunk (the prefill kernel's) or a padding row
-    context_len = tl.load(context_lens_ptr + seq)
     start, end = _split_range(context_len, split, NUM_SPLITS, BLOCK_N)
     if start >= end:
         return
@@ -104,11 +105,12 @@ def _merge_splits_kernel(
     seq = tl.program_id(0)
     head = tl.program_id(1)
     token = tl.load(cu_seqlens_q_ptr + seq)
-    if tl.load(cu_seqlens_q_ptr + seq + 1) - token != 1:
+    next_token = tl.load(cu_seqlens_q_ptr + seq + 1)
+    context_len = tl.load(context_lens_ptr + seq)
+    if next_token - token != 1:
         return
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM)
-    context_len = tl.load(context_lens_ptr + seq)
     start, end = _split_range(context_len, splits, NUM_SPLITS, BLOCK_N)
     live = (splits < NUM_SPLITS) & (start < end)  # the splits that ran; the others left stale scratch
     lse = tl.load(lse_ptr + seq * stride_lb + splits * stride_ls + head, mask=live, other=float("-inf"))
