@@ -85,6 +85,10 @@ def main():
     for backend in args.attn_backend:
         if not args.table:
             llm = make_llm(args, backend, max_model_len=4096)
+            graphs = getattr(llm.model_runner, "graphs", None)
+            if hasattr(graphs, "capture_seconds"):
+                print(f"{backend}: {len(graphs.graphs)} CUDA graphs captured in {graphs.capture_seconds:.1f} s, "
+                      f"{graphs.capture_bytes / 2**30:.2f} GiB", flush=True)
             tokens, seconds = nano_vllm_workload(llm)
             rows.append(f"| {backend} | {tokens} | {seconds:.2f} | {tokens / seconds:,.0f} |")
         else:

@@ -184,6 +184,10 @@ def serving_steps(args):
         report(state["prof"], args.steps, state["wall"], state["host"], state["phases"], title)
     print(f"\nthe whole run: {serving.summary(result)}; GPU busy {fraction():.1%} of the time from the first "
           "step's GPU work to the last's (CUDA events)")
+    if args.json:
+        import json
+        with open(args.json, "w") as f:
+            json.dump(dict(vars(args), rate=str(args.rate), **result), f)
 
 
 def workload_steps(args):

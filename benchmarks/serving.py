@@ -70,7 +70,7 @@ def drive(llm: LLM, requests: list[tuple[int, int]], arrivals: list[float], voca
     rng = random.Random(seed + 2)
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n, _ in requests]
     legacy = "output_kind" not in SamplingParams.__dataclass_fields__  # an engine before RequestOutputs
-    index_of, done, running, steps, nxt = {}, {}, 0, 0, 0
+    index_of, done, running, steps, nxt, timeline = {}, {}, 0, 0, 0, []
     start = time.monotonic()
     while len(done) < len(requests):
         now = time.monotonic() - start
@@ -85,6 +85,11 @@ def drive(llm: LLM, requests: list[tuple[int, int]], arrivals: list[float], voca
         outputs = llm.step()
         steps += 1
         running += len(llm.scheduler.running)
+        if llm.in_flight is not None:  # the step just launched: sequences decoding, prompt tokens
+            batch = llm.in_flight[0]
+            prefill = [n for n in batch.num_new_tokens if n > 1] if legacy is False else (
+                batch.num_new_tokens if batch.is_prefill else [])
+            timeline.append((time.monotonic() - start, len(batch.seqs) - len(prefill), sum(prefill)))
         if on_step is not None:
             on_step(steps)
         for out in (outputs[0] if legacy else outputs):
@@ -99,7 +104,7 @@ def drive(llm: LLM, requests: list[tuple[int, int]], arrivals: list[float], voca
                             tpot=metrics.time_per_output_token if metrics else None))
     output_tokens = sum(n for _, n in requests)
     return dict(wall=wall, steps=steps, requests_per_s=len(requests) / wall, output_tokens_per_s=output_tokens / wall,
-                mean_running=running / max(1, steps), records=records,
+                mean_running=running / max(1, steps), records=records, timeline=timeline,
                 normalized_latency=sum(r["e2e"] / r["output"] for r in records) / len(records))
 
 
@@ -141,6 +146,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-first", action="store_true", help="vLLM v0's order instead of mixed steps")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a small random model on the CPU")
+    p.add_argument("--json", default="", help="write the run's figures, requests and step timeline here")
     return p
 
 
@@ -156,6 +162,10 @@ def main():
     result = drive(llm, requests, arrivals, llm.config.hf_config["vocab_size"], args.seed)
     print(f"{args.trace}, rate {args.rate}, {args.num_requests} requests, {llm.config.attn_backend}, "
           f"prefill_first={args.prefill_first}: {summary(result)}")
+    if args.json:
+        import json
+        with open(args.json, "w") as f:
+            json.dump(dict(vars(args), rate=str(args.rate), **result), f)
 
 
 if __name__ == "__main__":

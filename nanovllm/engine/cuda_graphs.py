@@ -15,6 +15,8 @@ How much of a step a graph holds is the backend's to say (AttentionBackend.cudag
   captured, and attention runs eagerly between the replays, with the step's own shapes (flash-attn's
   varlen kernel and sdpa take them from the host).
 """
+import time
+
 import torch
 
 from nanovllm.attention import QUERY_TILE
@@ -105,6 +107,7 @@ class CUDAGraphs:
             out = torch.empty_like(q)
         self.graphs = {}
         pool = torch.cuda.graph_pool_handle()
+        start, memory = time.perf_counter(), torch.cuda.memory_reserved(runner.device)
         shapes = [("mixed", t) for t in self.token_sizes] + [("decode", s) for s in self.decode_sizes]
         for kind, size in sorted(shapes, key=lambda shape: -shape[1]):
             sizes = self.sizes(kind, size, max_seqs, runner.max_blocks)
@@ -116,6 +119,8 @@ class CUDAGraphs:
                      PiecewiseGraph(runner.model, args, runner.kv_cache.attns, q, out, pool))
             graph.sizes, graph.inputs = sizes, inputs
             self.graphs[kind, size] = graph
+        self.capture_seconds = time.perf_counter() - start  # what they cost: bench.py prints it
+        self.capture_bytes = torch.cuda.memory_reserved(runner.device) - memory
         if runner.tp is not None:
             runner.tp.graphs = self.graphs  # destroyed before NCCL shuts down (TPGroup.close)
 
