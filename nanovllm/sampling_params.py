@@ -62,3 +62,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits depend on the tokens so far (nanovllm/layers/penalties.py)."""
+        return (self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.min_tokens > 0)

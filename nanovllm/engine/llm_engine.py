@@ -47,6 +47,7 @@ class LLMEngine:
             self.scheduler.swap = Swapper(self.block_manager, self.model_runner.swap_space.num_blocks)
         self.input_processor = InputProcessor(config, self.tokenizer, num_blocks)
         self.output_processor = OutputProcessor(config, self.tokenizer)
+        self.model_runner.eos_token_ids = self.output_processor.eos_token_ids
         self.requests: dict[int | str, Sequence] = {}  # request id -> root sequence, until it ends
         self.in_flight: tuple[ScheduledBatch, SampledTokens] | None = None  # launched, not read yet
         self.held: list[RequestOutput] = []  # outputs a caller's generate() did not ask for

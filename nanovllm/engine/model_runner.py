@@ -105,6 +105,7 @@ class ModelRunner:
             load_model(self.model, config.model)
         self.max_blocks = num_blocks_for(config.max_model_len, self.block_size)
         self.last_tokens = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.eos_token_ids: set[int] = set()  # the engine's, for min_tokens
         self.swap_space = self.graphs = None
         self.kv_cache = KVCache(self.model, config, self.device)
         self.kv_cache.allocate(self._num_kv_blocks())
@@ -190,7 +191,12 @@ class ModelRunner:
         if self.tp is not None:
             self.tp.idle = True
         rows = [(seq, seq.sample_index + j) for seq, k in zip(batch.seqs, batch.num_samples) for j in range(k)]
-        self.last_tokens = token_ids = sample(logits, self.sampling_tensors(rows))
+        scores = logits
+        if any(seq.params.penalized for seq, _ in rows):
+            from nanovllm.layers import penalties
+            scores = penalties.apply(logits, rows, [p for _, _, p in batch.sampled], self.eos_token_ids,
+                                     self.last_tokens)
+        self.last_tokens = token_ids = sample(scores, self.sampling_tensors(rows))
         top = None
         if any(seq.params.logprobs is not None for seq, _ in rows):
             from nanovllm.layers.logprobs import logprobs
