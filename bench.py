@@ -9,6 +9,7 @@ random weights; `--tp 2` splits it over 2 GPUs.
 """
 import argparse
 import gc
+import importlib.util
 import os
 import time
 from random import randint, seed
@@ -26,19 +27,20 @@ def make_llm(args, backend: str, **options) -> LLM:
                tensor_parallel_size=args.tp, **weights, **options)
 
 
-def nano_vllm_requests() -> tuple[list[list[int]], list[SamplingParams]]:
-    """nano-vllm's bench.py workload, step for step: 256 random prompts and their sampling parameters."""
+def nano_vllm_requests(num_seqs: int = 256, max_input_len: int = 1024,
+                       max_output_len: int = 1024) -> tuple[list[list[int]], list[SamplingParams]]:
+    """nano-vllm's bench.py workload, step for step: 256 random prompts and their sampling parameters
+    (fewer and shorter with the arguments, for a laptop)."""
     seed(0)
-    num_seqs, max_input_len, max_output_len = 256, 1024, 1024
     prompts = [[randint(0, 10000) for _ in range(randint(100, max_input_len))] for _ in range(num_seqs)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, max_output_len))
               for _ in range(num_seqs)]
     return prompts, params
 
 
-def nano_vllm_workload(llm: LLM) -> tuple[int, float]:
+def nano_vllm_workload(llm: LLM, args) -> tuple[int, float]:
     """nano-vllm's benchmark: one warm-up generate, then the workload; returns (output tokens, seconds)."""
-    prompts, params = nano_vllm_requests()
+    prompts, params = nano_vllm_requests(args.num_seqs, args.max_input_len, args.max_output_len)
     llm.generate([[1, 2, 3]], SamplingParams(), use_tqdm=False)  # warm-up
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     start = time.perf_counter()
@@ -69,16 +71,23 @@ def release(llm):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--attn-backend", nargs="+", default=["flash"], choices=["flash", "triton", "sdpa"])
+    parser.add_argument("--attn-backend", nargs="+", default=None, choices=["flash", "triton", "sdpa"],
+                        help="default: flash and triton on a GPU (flash if installed), sdpa on a CPU")
     parser.add_argument("--model", default=None, help="a Hugging Face model dir (default: random weights of --arch)")
-    parser.add_argument("--arch", default="Qwen3-0.6B", choices=["Qwen3-0.6B", "Qwen3-8B"],
+    parser.add_argument("--arch", default="Qwen3-0.6B", choices=["Qwen3-0.6B", "Qwen3-8B", "SmolLM2-135M"],
                         help="the random-weight architecture, from benchmarks/")
     parser.add_argument("--table", action="store_true", help="batch x length decode grid instead of the default")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    parser.add_argument("--num-seqs", type=int, default=256, help="nano-vllm's workload: sequences")
+    parser.add_argument("--max-input-len", type=int, default=1024, help="prompts of randint(100, this) tokens")
+    parser.add_argument("--max-output-len", type=int, default=1024, help="outputs of randint(100, this)")
     args = parser.parse_args()
+    if args.attn_backend is None:
+        flash = importlib.util.find_spec("flash_attn") is not None
+        args.attn_backend = (["flash"] if flash else []) + ["triton"] if torch.cuda.is_available() else ["sdpa"]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     model = args.model or f"{args.arch} (random weights)"
     rows = []
@@ -89,7 +98,7 @@ def main():
             if hasattr(graphs, "capture_seconds"):
                 print(f"{backend}: {len(graphs.graphs)} CUDA graphs captured in {graphs.capture_seconds:.1f} s, "
                       f"{graphs.capture_bytes / 2**30:.2f} GiB", flush=True)
-            tokens, seconds = nano_vllm_workload(llm)
+            tokens, seconds = nano_vllm_workload(llm, args)
             rows.append(f"| {backend} | {tokens} | {seconds:.2f} | {tokens / seconds:,.0f} |")
         else:
             llm = make_llm(args, backend, max_model_len=2 * max(args.lengths), max_num_seqs=max(args.batches))

@@ -6,6 +6,8 @@ which rows and tiles to run, so a CUDA graph launches them with a fixed grid and
 any mix of decodes and chunks of its size. The decode scratch is preallocated and reused layer after
 layer, and nothing here reads a device value on the host.
 """
+import os
+
 import torch
 
 from nanovllm.attention import QUERY_TILE, AttentionBackend, AttentionMetadata
@@ -19,6 +21,9 @@ class TritonBackend(AttentionBackend):
     cudagraph_support = "always"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, config):
+        if config.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attn_backend='triton' on device='cpu' runs only in Triton's interpreter (slow; for "
+                             "tests): set TRITON_INTERPRET=1 before Python starts, or use attn_backend='sdpa'")
         super().__init__(num_heads, num_kv_heads, head_dim, config)
         device = torch.device(config.device)
         on_gpu = device.type == "cuda"

@@ -3,7 +3,7 @@ import glob
 import os
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 
@@ -12,7 +12,9 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor):
 
 
 def load_model(model: nn.Module, path: str):
-    """Copy the checkpoint in `path` into model, sharding and packing as the parameters ask."""
+    """Copy the checkpoint in `path` into model, sharding and packing as the parameters ask; a
+    ValueError naming the file and the tensor for a file that does not read, a tensor of the wrong
+    shape, or one that holds NaN or inf."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"model={path!r} has no *.safetensors files")
@@ -20,27 +22,41 @@ def load_model(model: nn.Module, path: str):
     params = dict(model.named_parameters())
     loaded = set()
     for file in files:
-        with safe_open(file, "pt", "cpu") as f:
-            for name in f.keys():
-                if "rotary_emb.inv_freq" in name:
-                    continue
-                target, shard = name, None
-                for ckpt, (ours, shard_id) in packed.items():
-                    if f".{ckpt}." in name:
-                        target, shard = name.replace(f".{ckpt}.", f".{ours}."), shard_id
-                        break
-                param = params.get(target)
-                if param is None:
-                    if name == "lm_head.weight":  # tied: the embedding already holds it
-                        continue
-                    raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
-                loader = getattr(param, "weight_loader", default_weight_loader)
-                tensor = f.get_tensor(name)
-                loader(param, tensor) if shard is None else loader(param, tensor, shard)
-                loaded.add(target)
+        try:
+            with safe_open(file, "pt", "cpu") as f:
+                for name in f.keys():
+                    if "rotary_emb.inv_freq" not in name:
+                        loaded.add(load_tensor(model, params, packed, name, f.get_tensor(name)))
+        except (OSError, SafetensorError) as e:
+            raise ValueError(f"{file} does not read as safetensors ({e}): truncated or not a checkpoint?") from None
+        except ValueError as e:
+            raise ValueError(f"{file}: {e}") from None
     missing = set(params) - loaded
     if missing:
         raise ValueError(f"checkpoint in {path!r} lacks {sorted(missing)[:5]}{'...' if len(missing) > 5 else ''}")
+
+
+def load_tensor(model: nn.Module, params: dict, packed: dict, name: str, tensor: torch.Tensor) -> str:
+    """Copy one checkpoint tensor into its parameter (or its shard of a packed one); the parameter's name."""
+    target, shard = name, None
+    for ckpt, (ours, shard_id) in packed.items():
+        if f".{ckpt}." in name:
+            target, shard = name.replace(f".{ckpt}.", f".{ours}."), shard_id
+            break
+    param = params.get(target)
+    if param is None:
+        if name == "lm_head.weight":  # tied: the embedding already holds it
+            return target
+        raise ValueError(f"tensor {name!r} has no parameter in {type(model).__name__}")
+    if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        raise ValueError(f"tensor {name!r} holds NaN or inf")
+    loader = getattr(param, "weight_loader", default_weight_loader)
+    try:
+        loader(param, tensor) if shard is None else loader(param, tensor, shard)
+    except RuntimeError:
+        raise ValueError(f"tensor {name!r} of shape {list(tensor.shape)} does not fit {target} "
+                         f"of shape {list(param.shape)}") from None
+    return target
 
 
 @torch.no_grad()
