@@ -17,7 +17,7 @@ def seq_of(tokens) -> Sequence:
 
 def compute(bm: BlockManager, seq: Sequence, num_tokens: int | None = None):
     """Pretend a forward step computed the K/V of the sequence's first num_tokens tokens (default: all)."""
-    seq.num_computed_tokens = seq.num_tokens if num_tokens is None else num_tokens
+    seq.num_computed_tokens = len(seq) if num_tokens is None else num_tokens
     bm.cache_computed_blocks(seq)
 
 

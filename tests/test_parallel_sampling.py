@@ -29,7 +29,7 @@ def prompts(n: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:
 def computed(bm: BlockManager, tokens: list[int]) -> Sequence:
     seq = Sequence(tokens, SamplingParams(), BS)
     assert bm.allocate(seq)
-    seq.num_computed_tokens = seq.num_tokens
+    seq.num_computed_tokens = len(seq)
     return seq
 
 

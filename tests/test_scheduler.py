@@ -55,7 +55,7 @@ def test_decode_steps_every_running_sequence():
     sched = make()
     seqs = add(sched, 5, 3)
     step(sched)
-    assert [s.num_tokens for s in seqs] == [6, 4]
+    assert [len(s) for s in seqs] == [6, 4]
     batch = step(sched, token=9)
     assert decode_only(batch) and batch.seqs == seqs and batch.num_new_tokens == [1, 1]
     assert [s.token_ids[-2:] for s in seqs] == [[7, 9], [7, 9]]
@@ -83,14 +83,14 @@ def test_token_budget_limits_the_batch_and_chunks_the_last_prompt(prefill_first)
     batch = step(sched)
     assert batch.seqs == [s1, s2, s3] and batch.num_new_tokens == [10, 10, 5]
     assert s3.status == SequenceStatus.RUNNING and s3.num_computed_tokens == 5
-    assert s3.num_tokens == 10  # a partial prefill samples nothing
-    assert [s.num_tokens for s in (s1, s2)] == [11, 11]
+    assert len(s3) == 10  # a partial prefill samples nothing
+    assert [len(s) for s in (s1, s2)] == [11, 11]
     batch = step(sched)  # the rest of the prompt, with the decodes unless prefill comes first
     if prefill_first:
         assert batch.seqs == [s3] and batch.num_new_tokens == [5]
     else:
         assert batch.seqs == [s1, s2, s3] and batch.num_new_tokens == [1, 1, 5]
-    assert s3.num_tokens == 11
+    assert len(s3) == 11
 
 
 def test_chunked_prefill_of_a_long_prompt():
@@ -102,7 +102,7 @@ def test_chunked_prefill_of_a_long_prompt():
         assert batch.seqs == [seq] and not decode_only(batch)
         chunks.append(batch.num_new_tokens[0])
     assert chunks == [16, 16, 8]
-    assert seq.num_computed_tokens == 40 and seq.num_tokens == 41
+    assert seq.num_computed_tokens == 40 and len(seq) == 41
     assert seq.num_hashed_blocks == 10  # every full block registered as it was computed
     assert decode_only(step(sched))
 
@@ -138,7 +138,7 @@ def test_preemption_takes_the_newest_and_requeues_it_first():
     assert batch.seqs == [s1, s2] and sched.num_preemptions == 1
     assert list(sched.waiting) == [s3] and s3.status == SequenceStatus.WAITING
     assert s3.block_table == [] and s3.num_computed_tokens == 0
-    assert s3.num_tokens == 9  # its sampled token is kept and recomputed later
+    assert len(s3) == 9  # its sampled token is kept and recomputed later
 
 
 def test_preempted_sequences_keep_their_order():

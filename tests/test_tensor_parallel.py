@@ -12,7 +12,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.linear import QKVParallelLinear, tensor_parallel
+from nanovllm.layers.linear import Linear
+from nanovllm.layers.tensor_parallel import ColumnParallel
 
 OPTIONS = dict(skip_tokenizer_init=True, device="cpu", attn_backend="sdpa", kvcache_block_size=16,
                num_kvcache_blocks=64, max_num_batched_tokens=32)  # the 40-token prompt is prefilled in two chunks
@@ -230,11 +231,12 @@ def test_qkv_shards_replicate_kv_heads(num_kv_heads, tp):
     q_bias, k_bias, v_bias = torch.randn(num_heads * head_dim), *torch.randn(2, num_kv_heads * head_dim)
     heads_per_rank, group_size = num_heads // tp, num_heads // num_kv_heads  # query heads per KV head
     for rank in range(tp):
-        with tensor_parallel(FakeGroup(rank, tp)):
-            layer = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=True)
+        full = Linear(hidden, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias=True)
+        replicas = max(1, tp // num_kv_heads)
+        layer = ColumnParallel(full, FakeGroup(rank, tp), [1, replicas, replicas])
         for param, parts in ((layer.weight, (q, k, v)), (layer.bias, (q_bias, k_bias, v_bias))):
-            for shard_id, loaded in zip("qkv", parts):
-                param.weight_loader(param, loaded, shard_id)
+            for part, loaded in enumerate(parts):
+                param.weight_loader(param, loaded, part)
         first_head = rank * heads_per_rank
         kv_head = first_head // group_size
         local_kv = max(1, num_kv_heads // tp)

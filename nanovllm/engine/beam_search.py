@@ -89,7 +89,7 @@ def beam_search(engine, prompts: list, beam_width: int, max_tokens: int, length_
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=min(2 * beam_width, vocab))
     roots = [engine.input_processor.make_sequence(p, params, beam_width) for p in prompts]  # all valid first
     eos = engine.output_processor.eos_token_ids
-    searches = [BeamSearch(root, beam_width, max(1, min(max_tokens, root.max_len - root.num_tokens)),
+    searches = [BeamSearch(root, beam_width, max(1, min(max_tokens, root.max_len - len(root))),
                            length_penalty, eos) for root in roots]
     for root in roots:
         engine.scheduler.add(root)

@@ -89,7 +89,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits, prev_hash, prev_content_id = [], None, None
-        for i in range(seq.num_tokens // self.block_size):
+        for i in range(len(seq) // self.block_size):
             tokens = seq.block_tokens(i)
             prev_hash = hash_block(tokens, prev_hash)
             block_id = self.cached_blocks.get(prev_hash)
@@ -103,7 +103,7 @@ class BlockManager:
         """Give a waiting sequence blocks for all its tokens, reusing a cached prefix; False if they don't fit."""
         assert not seq.block_table
         hits = self._cached_prefix(seq)
-        num_new = num_blocks_for(seq.num_tokens, self.block_size) - len(hits)
+        num_new = num_blocks_for(len(seq), self.block_size) - len(hits)
         num_free_hits = sum(self.blocks[b].ref_count == 0 for b in hits)
         if num_new > self.num_free_blocks - num_free_hits:
             return False
@@ -112,7 +112,7 @@ class BlockManager:
         seq.block_table = hits + [self.take_free_block() for _ in range(num_new)]
         seq.num_hashed_blocks = len(hits)
         # a full hit still computes the last prompt token: its logits give the first new token
-        seq.num_computed_tokens = min(len(hits) * self.block_size, seq.num_tokens - 1)
+        seq.num_computed_tokens = min(len(hits) * self.block_size, len(seq) - 1)
         if seq.num_completion_tokens == 0:  # report the first admission, not a recomputation
             seq.num_cached_tokens = seq.num_computed_tokens
         return True
@@ -145,7 +145,7 @@ class BlockManager:
             self.blocks[src].ref_count -= 1
             seq.block_table[i] = self.take_free_block()
             copies.append((src, seq.block_table[i]))
-        for _ in range(num_blocks_for(seq.num_tokens, self.block_size) - len(seq.block_table)):
+        for _ in range(num_blocks_for(len(seq), self.block_size) - len(seq.block_table)):
             seq.block_table.append(self.take_free_block())
         return copies
 

@@ -17,7 +17,6 @@ from nanovllm.engine.kv_cache import CPU_KVCACHE_BYTES, KVCache
 from nanovllm.engine.run_ahead import SampledTokens, fill_placeholders
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence, num_blocks_for, slot_mapping
-from nanovllm.layers.linear import heads_per_rank, tensor_parallel
 from nanovllm.layers.sampler import SamplingTensors, sample
 from nanovllm.models import model_class
 from nanovllm.utils.loader import init_dummy, load_model
@@ -89,15 +88,18 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.block_size = config.kvcache_block_size
         cfg = config.hf_config
-        tp_size = config.tensor_parallel_size
-        self.backend = get_backend(config.attn_backend)(
-            heads_per_rank(cfg["num_attention_heads"], tp_size),
-            heads_per_rank(cfg["num_key_value_heads"], tp_size), cfg["head_dim"], config)
+        heads = (cfg["num_attention_heads"], cfg["num_key_value_heads"])
+        if tp is not None:  # this rank's heads
+            from nanovllm.layers.tensor_parallel import heads_per_rank, shard_model
+            heads = [heads_per_rank(n, tp.size) for n in heads]
+        self.backend = get_backend(config.attn_backend)(*heads, cfg["head_dim"], config)
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.torch_dtype)
-        with torch.device(self.device), tensor_parallel(tp.device_group if tp else None):
+        with torch.device(self.device):
             self.model = model_class(cfg)(cfg, self.backend).eval()
+            if tp is not None:
+                shard_model(self.model, tp.device_group, cfg["num_key_value_heads"])
         torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
             init_dummy(self.model, config.seed)
@@ -212,7 +214,7 @@ class ModelRunner:
         if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
             from nanovllm.layers.truncation import Truncation
             truncation = Truncation.of(params, self.config.hf_config["vocab_size"], self.device)
-        seeds = [(i, hash((p.seed, k, seq.num_tokens)) & (2**63 - 1))
+        seeds = [(i, hash((p.seed, k, len(seq))) & (2**63 - 1))
                  for i, (p, (seq, k)) in enumerate(zip(params, rows)) if p.seed is not None and not p.greedy]
         return SamplingTensors(pinned.to(self.device, non_blocking=True), seeds,
                                all(t == 0 for t in temperatures), truncation)

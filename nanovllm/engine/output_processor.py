@@ -1,19 +1,14 @@
-"""Output processing (vLLM v1's output processor): whether a new token ends its sequence, the text of
-the tokens, and the RequestOutputs.
-
-A sequence ends on an end-of-sequence token (unless ignore_eos), a stop token or a stop string (not
-before min_tokens), or at max_tokens or max_model_len ("length"). Text is detokenized incrementally:
-each new token decodes a few tokens, not the whole completion, and a character whose bytes span
-several tokens waits for its last one. While a request runs, the text it reports holds back the end
-that could still become a stop string; its final text is decoded whole and cut before the stop string.
+"""Output processing (vLLM v1's output processor): whether a new token ends its sequence, and the
+RequestOutputs. A sequence ends on an end-of-sequence token (unless ignore_eos), a stop token or a
+stop string (not before min_tokens), or at max_tokens or max_model_len ("length"). The text of an
+ended sequence is decoded once; a request that streams, or that has stop strings, also decodes as
+it goes (nanovllm/engine/streaming.py).
 """
 import json
 import os
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.outputs import CompletionOutput, RequestOutput
-
-CONTEXT_TOKENS = 6  # decoded ahead of the new tokens: a tokenizer may join a token to the one before
 
 
 def eos_token_ids(model: str, hf_config: dict, tokenizer) -> set[int]:
@@ -39,12 +34,8 @@ class OutputProcessor:
                 seq.finish_reason = "stop"
             elif token in p.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", token
-            elif p.stop:
-                old = len(seq.text)
-                text = self.text(seq, position + 1)
-                hits = [(i, s) for s in p.stop if (i := text.find(s, max(0, old - len(s) + 1))) >= 0]
-                if hits:
-                    seq.finish_reason, seq.stop_reason = "stop", min(hits)[1]
+            elif p.stop and (hit := self.stream(seq).stop_string(seq, position + 1)):
+                seq.finish_reason, seq.stop_reason = "stop", hit
         if seq.finish_reason is None and position + 1 >= seq.max_len:
             seq.finish_reason = "length"
         return seq.finish_reason is not None
@@ -55,38 +46,25 @@ class OutputProcessor:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def text(self, seq: Sequence, end: int) -> str:
-        """The completion's text up to token `end`, extending what earlier calls decoded."""
-        if self.tokenizer is None:
-            return ""
-        first, done = seq.num_prompt_tokens, seq.num_prompt_tokens + seq.num_text_tokens
-        start, skip = max(first, done - CONTEXT_TOKENS), seq.params.skip_special_tokens
-        before = self.decode(seq.token_ids[start:done], skip)
-        after = self.decode(seq.token_ids[start:end], skip)
-        if not after.endswith("\ufffd"):  # a character still missing bytes waits for its next token
-            seq.text += after[len(before):]
-            seq.num_text_tokens = end - first
-        return seq.text
+    def stream(self, seq: Sequence):
+        """The sequence's text as it goes (created the first time a request needs it)."""
+        if seq.stream is None:
+            from nanovllm.engine.streaming import Stream
+            seq.stream = Stream(self.decode)
+        return seq.stream
 
     def completion(self, seq: Sequence, index: int) -> CompletionOutput:
-        """One sample: all its tokens once it ended, else those known (a step in flight excluded)."""
-        first, end = seq.num_prompt_tokens, len(seq.token_ids)
+        """One sample: its text and tokens at its end, or so far if it streams."""
+        text, token_ids, before = None, seq.completion_token_ids, 0
         if seq.is_finished:
-            text = self.decode(seq.token_ids[first:], seq.params.skip_special_tokens)
+            text = self.decode(token_ids, seq.params.skip_special_tokens)
             if isinstance(seq.stop_reason, str):
                 text = text[:text.find(seq.stop_reason)]
-        else:
-            while seq.token_ids[end - 1] < 0:  # a placeholder of a step in flight (run_ahead.py)
-                end -= 1
-            text = self.text(seq, end)
-            text = text[:len(text) - max(map(len, seq.params.stop), default=1) + 1]  # may become a stop string
-        old_chars, old_tokens = (seq.num_reported_chars, seq.num_reported_tokens) if seq.params.output_kind == "delta" \
-            else (0, 0)  # with "delta", only what is new since the last report
-        seq.num_reported_chars, seq.num_reported_tokens = len(text), end - first
-        out = CompletionOutput(index, text[old_chars:], seq.token_ids[first + old_tokens:end],
-                               finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+        if seq.params.output_kind != "final":
+            text, token_ids, before = self.stream(seq).report(seq, text)
+        out = CompletionOutput(index, text, token_ids, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
         if seq.params.logprobs is not None:
-            out.logprobs, out.cumulative_logprob = seq.logprobs[old_tokens:], seq.cumulative_logprob
+            out.logprobs, out.cumulative_logprob = seq.logprobs[before:], seq.cumulative_logprob
         return out
 
     def output(self, root: Sequence) -> RequestOutput:

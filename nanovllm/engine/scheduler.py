@@ -125,7 +125,7 @@ class Scheduler:
         while self.waiting and self.budget > 0 and not (self.swap and self.swap.swapped):
             seq = self.waiting[0]
             fresh = len(seq.group) == 1  # a new request: an n-sample one (or a beam search) forks later
-            if len(self.running) + (seq.max_group_size if fresh else 1) > self.max_num_seqs:
+            if len(self.running) + (max(seq.params.n, seq.beam_width) if fresh else 1) > self.max_num_seqs:
                 break
             if not seq.block_table and not self._allocate_group(seq):
                 break

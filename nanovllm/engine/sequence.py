@@ -6,6 +6,7 @@ sequences made by `fork`: a child starts as a copy of its parent's tokens and, t
 `BlockManager.fork`, shares its parent's KV blocks. A token sampled by a step that is still on the
 GPU stands as a placeholder in `token_ids` (nanovllm/engine/run_ahead.py).
 """
+from copy import copy
 from enum import Enum, auto
 from itertools import count
 
@@ -43,7 +44,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
-        self.max_len = min(len(token_ids) + params.max_tokens, max_model_len)  # ends there
+        self.max_len = min(len(token_ids) + params.max_tokens, max_model_len)  # it ends there
         self.params = params
         self.block_size = block_size
         self.block_table: list[int] = []
@@ -52,13 +53,9 @@ class Sequence:
         self.num_hashed_blocks = 0    # leading full blocks registered in the prefix cache
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.text = ""                # the completion's text, as far as it was detokenized
-        self.num_text_tokens = 0      # completion tokens in `text`
-        self.num_reported_chars = self.num_reported_tokens = 0  # for output_kind="delta"
-        self.request_id: int | str = self.seq_id  # the root's: the request's id, text and timings
-        self.prompt: str | None = None
-        self.prompt_token_ids = self.token_ids[:self.num_prompt_tokens]
-        self.metrics = None
+        self.stream = None            # its text as it goes, if it streams (engine/streaming.py)
+        self.request_id: int | str = self.seq_id  # the root's: the request's id, prompt and timings
+        self.prompt, self.prompt_token_ids, self.metrics = None, list(token_ids), None
         self.group: list[Sequence] = [self]  # the request's sequences; [0] is the root
         self.sample_index = 0   # which sample of the request (seeds its sampler with the request's seed)
         self.beam_width = 0     # > 0: a beam; the engine reports candidates, beam search appends
@@ -67,23 +64,15 @@ class Sequence:
         self.cumulative_logprob = 0.0
 
     def fork(self) -> "Sequence":
-        """A new member of the group with this sequence's tokens and progress (blocks:
-        BlockManager.fork)."""
-        child = Sequence(self.token_ids, self.params, self.block_size)
-        for name in ("num_prompt_tokens", "max_len", "status", "num_computed_tokens", "num_cached_tokens",
-                     "num_hashed_blocks", "beam_width", "cumulative_logprob", "text", "num_text_tokens"):
-            setattr(child, name, getattr(self, name))
-        child.logprobs = list(self.logprobs)
-        child.group = self.group
-        child.sample_index = len(self.group)
+        """A new member of the group with this sequence's tokens and progress; it shares the
+        sequence's blocks through BlockManager.fork."""
+        child = copy(self)
+        child.seq_id, child.sample_index = next(Sequence._ids), len(self.group)
+        child.token_ids, child.logprobs, child.stream = list(self.token_ids), list(self.logprobs), None
         self.group.append(child)
         return child
 
     def __len__(self):
-        return len(self.token_ids)
-
-    @property
-    def num_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
@@ -93,11 +82,6 @@ class Sequence:
     @property
     def num_completion_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def max_group_size(self) -> int:
-        """How many sequences the request may run at once: its samples, or its beams."""
-        return max(self.params.n, self.beam_width)
 
     @property
     def is_finished(self) -> bool:

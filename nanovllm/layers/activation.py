@@ -1,7 +1,6 @@
 """SwiGLU's gate: silu(gate) * up on a packed [gate | up] tensor."""
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from nanovllm.layers.fused import fused
 
@@ -10,8 +9,3 @@ from nanovllm.layers.fused import fused
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, -1)
     return F.silu(gate) * up
-
-
-class SiluAndMul(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x)

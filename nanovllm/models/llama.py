@@ -1,7 +1,7 @@
 """The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3) in plain PyTorch.
 
-Qwen2 adds a bias to the qkv projection, Qwen3 an RMSNorm on each query and key head; the rest
-is the same pre-norm transformer. Attention is PagedAttention's two halves: `write` (rotary, then each
+Qwen2 adds a bias to the qkv projection, Qwen3 an RMSNorm on each query and key head; the rest is
+the same pre-norm transformer. Attention is PagedAttention's two halves: `write` (rotary, then each
 new token's K/V into the paged cache) and `read` (the pluggable backend, over the cache).
 """
 import torch
@@ -9,9 +9,8 @@ from torch import nn
 
 from nanovllm.attention import AttentionBackend, AttentionMetadata
 from nanovllm.attention.paged_attention import PagedAttention
-from nanovllm.layers.activation import SiluAndMul
-from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.activation import silu_and_mul
+from nanovllm.layers.linear import Embedding, Linear
 from nanovllm.layers.norm import RMSNorm
 from nanovllm.layers.rotary import RotaryEmbedding, rope_config
 
@@ -20,14 +19,13 @@ class Attention(nn.Module):
     def __init__(self, cfg: dict, backend: AttentionBackend, rotary: RotaryEmbedding, qkv_bias: bool,
                  qk_norm: bool):
         super().__init__()
-        self.head_dim = cfg["head_dim"]
-        self.qkv_proj = QKVParallelLinear(cfg["hidden_size"], self.head_dim, cfg["num_attention_heads"],
-                                          cfg["num_key_value_heads"], bias=qkv_bias)
-        self.num_heads = self.qkv_proj.num_heads  # on this rank
-        self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(cfg["num_attention_heads"] * self.head_dim, cfg["hidden_size"])
-        self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"]) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"]) if qk_norm else None
+        self.num_heads, self.num_kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        self.head_dim = d = cfg["head_dim"]
+        self.qkv_proj = Linear(cfg["hidden_size"], [self.num_heads * d, self.num_kv_heads * d,
+                                                    self.num_kv_heads * d], bias=qkv_bias)
+        self.o_proj = Linear(self.num_heads * d, cfg["hidden_size"])
+        self.q_norm = RMSNorm(d, cfg["rms_norm_eps"]) if qk_norm else None
+        self.k_norm = RMSNorm(d, cfg["rms_norm_eps"]) if qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, rotary, backend)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -39,12 +37,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2)
-        self.down_proj = RowParallelLinear(intermediate, hidden)
-        self.act = SiluAndMul()
+        self.gate_up_proj = Linear(hidden, [intermediate, intermediate])
+        self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -69,10 +66,9 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: dict, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
-        # one table for all layers
+        self.embed_tokens = Embedding(cfg["hidden_size"], cfg["vocab_size"])
         rotary = RotaryEmbedding(cfg["head_dim"], cfg["max_position_embeddings"], *rope_config(cfg))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, rotary, qkv_bias, qk_norm)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, rotary, qkv_bias, qk_norm)  # one rotary table
                                     for _ in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
@@ -84,8 +80,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # checkpoint name -> (parameter here, shard) for the packed projections
-    packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    # checkpoint name -> (parameter here, projection packed in it)
+    packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, cfg: dict, backend: AttentionBackend, qkv_bias: bool | None = None,
@@ -93,7 +89,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         qkv_bias = cfg.get("attention_bias", False) if qkv_bias is None else qkv_bias
         self.model = LlamaModel(cfg, backend, qkv_bias, qk_norm)
-        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
+        self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"])
         if cfg.get("tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
