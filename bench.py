@@ -54,13 +54,13 @@ def decode_throughput(llm: LLM, batch: int, length: int) -> float:
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=length, output_kind="final")
     for _ in range(batch):
         llm.add_request([randint(0, 10000) for _ in range(length)], params)
-    base = llm.num_generation_tokens
-    while llm.num_generation_tokens - base < batch:  # prefill (every request's first token)
+    base = llm.output_processor.num_generation_tokens
+    while llm.output_processor.num_generation_tokens - base < batch:  # prefill (every request's first token)
         llm.step()
-    start, first = time.perf_counter(), llm.num_generation_tokens
+    start, first = time.perf_counter(), llm.output_processor.num_generation_tokens
     while not llm.is_finished():
         llm.step()
-    return (llm.num_generation_tokens - first) / (time.perf_counter() - start)
+    return (llm.output_processor.num_generation_tokens - first) / (time.perf_counter() - start)
 
 
 def release(llm):

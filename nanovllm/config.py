@@ -10,6 +10,15 @@ from nanovllm.attention import BACKENDS
 from nanovllm.models import model_class
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+CHOICES = {"attn_backend": ("", *BACKENDS), "device": ("", "cuda", "cpu"), "dtype": ("auto", *DTYPES),
+           "load_format": ("safetensors", "dummy"), "preemption_mode": ("recompute", "swap")}
+RANGES = {  # option: (test, what is allowed)
+    **{name: (lambda v: v >= 1, ">= 1") for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len",
+                                                     "tensor_parallel_size")},
+    "kvcache_block_size": (lambda v: v >= 1 and not v & (v - 1), "a power of two"),
+    "gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "num_kvcache_blocks": (lambda v: v >= 1 or v == -1, ">= 1 (or -1: automatic)"),
+}
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "max_position_embeddings")
 
@@ -54,47 +63,30 @@ class Config:
                                                     (isinstance(value, bool) and f.type is not bool)):
                 raise TypeError(f"{f.name}={value!r} must be of type {f.type.__name__}")
         self.hf_config = read_model_config(self.model)
-        self._check_choices()
-        self._check_ranges()
-        if not self.device:
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+        for name, (ok, allowed) in RANGES.items():
+            if not ok(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)} must be {allowed}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu'")
+        if self.preemption_mode == "swap" and not self.swap_space > 0:
+            raise ValueError(f"swap_space={self.swap_space} must be > 0 GiB with preemption_mode='swap'")
+        self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if not self.attn_backend:
             flash = importlib.util.find_spec("flash_attn") is not None
             self.attn_backend = "sdpa" if self.device == "cpu" else "flash" if flash else "triton"
-        if self.dtype == "auto":
-            name = self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "bfloat16"
-            self.torch_dtype = DTYPES.get(name, torch.bfloat16) if self.device == "cuda" else torch.float32
-        else:
+        if self.dtype != "auto":
             self.torch_dtype = DTYPES[self.dtype]
+        else:  # the checkpoint's on CUDA, float32 on CPU
+            checkpoint = DTYPES.get(self.hf_config.get("torch_dtype") or self.hf_config.get("dtype"), torch.bfloat16)
+            self.torch_dtype = checkpoint if self.device == "cuda" else torch.float32
         self.max_model_len = min(self.max_model_len, self.hf_config["max_position_embeddings"])
         self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.kvcache_block_size)
         if self.tensor_parallel_size > 1:
             from nanovllm.engine.distributed import check_tensor_parallel
             check_tensor_parallel(self)
-
-    def _check_choices(self):
-        choices = {"attn_backend": ("", *BACKENDS), "device": ("", "cuda", "cpu"),
-                   "dtype": ("auto", *DTYPES), "load_format": ("safetensors", "dummy"),
-                   "preemption_mode": ("recompute", "swap")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu'")
-
-    def _check_ranges(self):
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        bs = self.kvcache_block_size
-        if bs < 1 or bs & (bs - 1):
-            raise ValueError(f"kvcache_block_size={bs} must be a power of two")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        if self.preemption_mode == "swap" and not self.swap_space > 0:
-            raise ValueError(f"swap_space={self.swap_space} must be > 0 GiB with preemption_mode='swap'")
-        if self.num_kvcache_blocks == 0 or self.num_kvcache_blocks < -1:
-            raise ValueError(f"num_kvcache_blocks={self.num_kvcache_blocks} must be >= 1 (or -1: automatic)")
 
 
 def read_model_config(model: str) -> dict:

@@ -11,25 +11,23 @@ from nanovllm.sampling_params import SamplingParams
 
 
 class LLM(LLMEngine):
-    def _queue_all(self, prompts, sampling_params, output_kind: str | None = None) -> list:
-        """Validate every request, then queue them all; their request ids, in order."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
+    def _queue_all(self, prompts, params, output_kind: str | None = None) -> list:
+        """Validate every request, then queue them all (as `output_kind` if given); their ids."""
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else prompts
         if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a string, a dict, or a list of prompts, not {type(prompts).__name__}")
-        if not isinstance(sampling_params, (list, tuple)):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
+            raise TypeError(f"prompts must be a string, a dict or a list of them, not {type(prompts).__name__}")
+        params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
         if output_kind is not None:  # a copy: the caller's object stays as it was
-            sampling_params = [replace(SamplingParams() if sp is None else sp, output_kind=output_kind)
-                               if isinstance(sp, SamplingParams | None) else sp for sp in sampling_params]
-        seqs = [self.input_processor.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
+            params = [replace(p or SamplingParams(), output_kind=output_kind) if isinstance(p, SamplingParams | None)
+                      else p for p in params]
+        seqs = [self.input_processor.make_sequence(p, sp) for p, sp in zip(prompts, params)]
         return [self._queue(seq) for seq in seqs]
 
     def _run(self, request_ids: list):
-        """Step until these requests end, yielding their outputs (those of other requests are kept for
-        the caller's next step()); if the caller stops early, they are aborted."""
+        """Step until these requests end, yielding their outputs (other requests' outputs are kept for
+        the caller's next step()); requests left when the caller stops early are aborted."""
         pending = set(request_ids)
         try:
             while pending:
@@ -49,15 +47,15 @@ class LLM(LLMEngine):
         or nano-vllm's `out["text"]`). Interrupted, it aborts its requests before it raises."""
         request_ids = self._queue_all(prompts, sampling_params, output_kind="final")
         outputs = dict.fromkeys(request_ids)
-        bar = tqdm(total=len(request_ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        start, counts = time.perf_counter(), (self.num_prompt_tokens, self.num_generation_tokens)
-        for out in self._run(request_ids):
-            outputs[out.request_id] = out
-            seconds = time.perf_counter() - start
-            bar.set_postfix(prompt=f"{(self.num_prompt_tokens - counts[0]) / seconds:.0f}tok/s",
-                            generation=f"{(self.num_generation_tokens - counts[1]) / seconds:.0f}tok/s", refresh=False)
-            bar.update(1)
-        bar.close()
+        counts, start = self.output_processor, time.perf_counter()
+        first = counts.num_prompt_tokens, counts.num_generation_tokens
+        with tqdm(total=len(request_ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as bar:
+            for out in self._run(request_ids):
+                outputs[out.request_id] = out
+                seconds = time.perf_counter() - start  # vLLM's rates: tokens over the time so far
+                bar.set_postfix_str(f"input: {(counts.num_prompt_tokens - first[0]) / seconds:.0f} tok/s, output: "
+                                    f"{(counts.num_generation_tokens - first[1]) / seconds:.0f} tok/s", refresh=False)
+                bar.update(1)
         return list(outputs.values())
 
     def stream(self, prompts, sampling_params=None):
@@ -66,8 +64,8 @@ class LLM(LLMEngine):
         yield from self._run(self._queue_all(prompts, sampling_params))
 
     def chat(self, messages: list, sampling_params=None, use_tqdm: bool = True, **template_options):
-        """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of
-        them, formatted by the tokenizer's chat template; one RequestOutput per conversation."""
+        """Replies to one conversation (a list of {"role", "content"} messages) or a list of them,
+        formatted by the tokenizer's chat template; one RequestOutput per conversation."""
         if self.tokenizer is None:
             raise ValueError("chat needs the tokenizer (drop skip_tokenizer_init)")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]

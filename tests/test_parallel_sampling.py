@@ -7,6 +7,7 @@ import torch
 
 from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sharing import fork
 from nanovllm.engine.sequence import Sequence
 from tests.sharing_helpers import BLOCK_SIZE, build_tiny_llama, hf_logprobs, make_llm
 
@@ -38,9 +39,7 @@ def computed(bm: BlockManager, tokens: list[int]) -> Sequence:
 def test_fork_shares_every_block_and_raises_ref_counts():
     bm = BlockManager(10, BS)
     parent = computed(bm, list(range(10)))  # 2 full blocks and a partial one
-    children = [parent.fork() for _ in range(2)]
-    for child in children:
-        bm.fork(parent, child)
+    children = [fork(parent, bm) for _ in range(2)]
     assert all(c.block_table == parent.block_table for c in children)
     assert [bm.blocks[b].ref_count for b in parent.block_table] == [3, 3, 3]
     assert bm.num_free_blocks == 7  # nothing copied
@@ -53,8 +52,7 @@ def test_fork_shares_every_block_and_raises_ref_counts():
 def test_copy_on_write_copies_a_shared_partial_block_once_per_extra_writer():
     bm = BlockManager(10, BS)
     parent = computed(bm, list(range(10)))
-    child = parent.fork()
-    bm.fork(parent, child)
+    child = fork(parent, bm)
     shared = parent.block_table[2]
     for seq, token in ((parent, 100), (child, 200)):
         seq.append_token(token)  # both write token 10 into the shared block 2
@@ -69,8 +67,7 @@ def test_copy_on_write_copies_a_shared_partial_block_once_per_extra_writer():
 def test_a_full_shared_block_is_never_copied():
     bm = BlockManager(10, BS)
     parent = computed(bm, list(range(8)))  # exactly 2 full blocks
-    child = parent.fork()
-    bm.fork(parent, child)
+    child = fork(parent, bm)
     child.append_token(1)
     assert bm.num_blocks_to_append([child]) == 1 and bm.append_blocks(child) == []  # a new block, no copy
     assert child.block_table[:2] == parent.block_table

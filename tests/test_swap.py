@@ -10,6 +10,7 @@ import torch
 from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.engine.sharing import fork
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.engine.swap import Swapper
 from tests.sharing_helpers import build_tiny_llama, make_llm
@@ -107,8 +108,7 @@ def test_swap_out_and_in_keep_sharing_within_a_group():
     parent = Sequence(list(range(10)), SamplingParams(), 4)
     assert bm.allocate(parent)
     parent.num_computed_tokens = 10
-    child = parent.fork()
-    bm.fork(parent, child)
+    child = fork(parent, bm)
     child.append_token(1)
     bm.append_blocks(child)  # copy-on-write: the child owns its own block 2
     group = [parent, child]

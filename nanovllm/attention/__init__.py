@@ -7,6 +7,7 @@ sequence s owns tokens cu_seqlens_q[s]:cu_seqlens_q[s + 1]. The sequences with o
 decodes) come first, then the prefill chunks (vLLM v1's and Sarathi-Serve's mixed batches). The
 layer that writes this step's K/V and calls the backend is nanovllm/attention/paged_attention.py.
 """
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -27,10 +28,6 @@ class AttentionMetadata:
     cu_seqlens_q_host: list[int]  # the same numbers on the host, for backends that loop
     context_lens_host: list[int]
 
-    @property
-    def max_seqlen_q(self) -> int:
-        cu = self.cu_seqlens_q_host
-        return max((b - a for a, b in zip(cu, cu[1:])), default=0)
 
 
 def query_tiles(cu_seqlens_q: list[int], first: int) -> list[int]:
@@ -53,9 +50,7 @@ class AttentionBackend:
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, config):
         # config: nanovllm.config.Config (max_num_seqs, max_model_len, kvcache_block_size, device)
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.config = config
 
@@ -63,18 +58,11 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-BACKENDS = ("flash", "triton", "sdpa")
+BACKENDS = {"flash": "FlashBackend", "triton": "TritonBackend", "sdpa": "SDPABackend"}  # module: class
 
 
 def get_backend(name: str) -> type[AttentionBackend]:
-    """The backend class for a name in BACKENDS (imported on demand: flash-attn is optional)."""
-    if name == "sdpa":
-        from nanovllm.attention.sdpa import SDPABackend
-        return SDPABackend
-    if name == "triton":
-        from nanovllm.attention.triton import TritonBackend
-        return TritonBackend
-    if name == "flash":
-        from nanovllm.attention.flash import FlashBackend
-        return FlashBackend
-    raise ValueError(f"attn_backend={name!r} is not one of {BACKENDS}")
+    """The backend class of a name in BACKENDS (imported on demand: flash-attn is optional)."""
+    if name not in BACKENDS:
+        raise ValueError(f"attn_backend={name!r} is not one of {tuple(BACKENDS)}")
+    return getattr(importlib.import_module(f"nanovllm.attention.{name}"), BACKENDS[name])

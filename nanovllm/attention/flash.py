@@ -39,8 +39,9 @@ class FlashBackend(AttentionBackend):
         if d == meta.context_lens.shape[0]:
             return self.decode(q, k_cache, v_cache, meta, d)
         # the chunks' offsets into q and into the keys need no rebasing: the kernel reads them as given
+        cu = meta.cu_seqlens_q_host
         out = flash_attn_varlen_func(q, k_cache, v_cache, meta.cu_seqlens_q[d:], meta.cu_seqlens_k[d:],
-                                     meta.max_seqlen_q, max(meta.context_lens_host[d:]), softmax_scale=self.scale,
+                                     max(b - a for a, b in zip(cu, cu[1:])), max(meta.context_lens_host[d:]), softmax_scale=self.scale,
                                      causal=True, block_table=meta.block_tables[d:])
         if d:
             out[:d] = self.decode(q, k_cache, v_cache, meta, d)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sharing import fork
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -67,7 +68,8 @@ class BeamSearch:
         self.beams = []
         for beam, tokens in chosen.items():
             candidates, beam.candidates = beam.candidates, None
-            forks = [scheduler.fork(beam) for _ in tokens[1:]]  # before the beam appends its own token
+            forks = [fork(beam, scheduler.block_manager) for _ in tokens[1:]]  # before the beam appends
+            scheduler.running.extend(forks)
             for seq, token in zip([beam] + forks, tokens):
                 seq.append_token(token, candidates)
                 self.beams.append(seq)

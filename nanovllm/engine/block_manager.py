@@ -8,10 +8,9 @@ block's tokens and the identity of the prefix before them (`content_id`), so a h
 never returns wrong K/V. A freed block keeps its contents and stays findable until it is taken
 for new data; free blocks are taken least recently freed first. Every operation is O(1) per block.
 
-Memory sharing (the paper's section 4.4): `fork` gives a child sequence its parent's blocks by
-raising their reference counts; a sequence about to write into a block that others still share
-gets its own copy first (copy-on-write), and the (source, destination) pair goes to the model
-runner. (Swap preemption's CPU pool is nanovllm/engine/swap.py.)
+Memory sharing (the paper's section 4.4): blocks shared by the sequences of one request
+(nanovllm/engine/sharing.py) are copied before one of them writes into them (copy-on-write), and
+the (source, destination) pair goes to the model runner. (Swap preemption's CPU pool is nanovllm/engine/swap.py.)
 """
 from collections import OrderedDict
 from itertools import count
@@ -148,12 +147,6 @@ class BlockManager:
         for _ in range(num_blocks_for(len(seq), self.block_size) - len(seq.block_table)):
             seq.block_table.append(self.take_free_block())
         return copies
-
-    def fork(self, parent: Sequence, child: Sequence):
-        """The paper's fork: the child shares every block of the parent (reference counts up, nothing copied)."""
-        for block_id in parent.block_table:
-            self.blocks[block_id].ref_count += 1
-        child.block_table = list(parent.block_table)
 
     def cache_computed_blocks(self, seq: Sequence):
         """Register the sequence's newly computed full blocks in the prefix cache."""

@@ -121,7 +121,7 @@ class CUDAGraphs:
             self.graphs[kind, size] = graph
         self.capture_seconds = time.perf_counter() - start  # what they cost: bench.py prints it
         self.capture_bytes = torch.cuda.memory_reserved(runner.device) - memory
-        if runner.tp is not None:
+        if hasattr(runner, "tp"):
             runner.tp.graphs = self.graphs  # destroyed before NCCL shuts down (TPGroup.close)
 
     @staticmethod

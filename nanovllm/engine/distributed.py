@@ -25,6 +25,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.layers.tensor_parallel import heads_per_rank, shard_model
+
 # Workers wait for the next step for as long as the engine stays idle: no timeout that an idle
 # engine could reach. A rank that dies is noticed anyway: gloo reports the closed connection.
 IDLE_TIMEOUT = timedelta(days=365)
@@ -74,6 +77,44 @@ class TPGroup:
         self.graphs.clear()
         self.device_group.abort()
         self.cpu_group.abort()
+
+
+class TPModelRunner(ModelRunner):
+    """One rank's model runner: its shard of the model (nanovllm/layers/tensor_parallel.py), the KV
+    blocks that fit on every rank (rank 0's one block manager hands them out for all), and, on rank 0,
+    each step sent to the other ranks, which run the same forward pass on their shards."""
+
+    def __init__(self, config, tp: TPGroup):
+        self.tp = tp
+        super().__init__(config, torch.device("cuda", tp.rank) if config.device == "cuda" else None)
+        tp.idle = True  # every rank is built: the workers now wait for steps
+
+    def heads(self) -> tuple[int, int]:
+        return tuple(heads_per_rank(n, self.tp.size) for n in super().heads())
+
+    def build_model(self) -> torch.nn.Module:
+        model = super().build_model()
+        shard_model(model, self.tp.device_group, self.config.hf_config["num_key_value_heads"])
+        return model
+
+    def num_kv_blocks(self) -> int:
+        return self.tp.min(super().num_kv_blocks())
+
+    def step_inputs(self, batch):
+        step = super().step_inputs(batch)
+        self.tp.send_step(step)
+        return step
+
+    def run(self, batch):
+        sampled = super().run(batch)
+        self.tp.idle = True  # the workers are back waiting for a step
+        return sampled
+
+    def fill_placeholders(self, input_ids: torch.Tensor):
+        """Rank 0 holds the last step's tokens: it fills the ids and sends them to the other ranks."""
+        if self.tp.rank == 0:
+            super().fill_placeholders(input_ids)
+        self.tp.broadcast(input_ids)
 
 
 def _new_group(store: dist.Store, rank: int, size: int, device_type: str) -> dist.ProcessGroup:

@@ -30,12 +30,14 @@ class LLMEngine:
         if not config.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(model)
         self.workers = self._stop_workers = None
-        if config.tensor_parallel_size > 1:
-            from nanovllm.engine.distributed import Workers
-            self.workers = Workers(config)  # ranks 1..N-1, each in a process of its own
-            self._stop_workers = weakref.finalize(self, self.workers.shutdown)  # also at exit
         try:
-            self.model_runner = ModelRunner(config, self.workers.group if self.workers else None)
+            if config.tensor_parallel_size > 1:
+                from nanovllm.engine.distributed import TPModelRunner, Workers
+                self.workers = Workers(config)  # ranks 1..N-1, each in a process of its own
+                self._stop_workers = weakref.finalize(self, self.workers.shutdown)  # also at exit
+                self.model_runner = TPModelRunner(config, self.workers.group)
+            else:
+                self.model_runner = ModelRunner(config)
         except BaseException:
             self.shutdown()
             raise
@@ -51,7 +53,6 @@ class LLMEngine:
         self.requests: dict[int | str, Sequence] = {}  # request id -> root sequence, until it ends
         self.in_flight: tuple[ScheduledBatch, SampledTokens] | None = None  # launched, not read yet
         self.held: list[RequestOutput] = []  # outputs a caller's generate() did not ask for
-        self.num_prompt_tokens = self.num_cached_tokens = self.num_generation_tokens = 0
 
     def shutdown(self):
         """Stop the tensor-parallel workers and free the model, its KV cache and the rendezvous port."""
@@ -108,7 +109,7 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             if batch.seqs:
                 launched = batch, self.model_runner.run(batch)
-                self._started(batch)
+                self.output_processor.started(batch)
         previous, self.in_flight = self.in_flight, launched
         outputs, self.held = self.held, []
         if previous:
@@ -119,35 +120,14 @@ class LLMEngine:
             self.in_flight = None
         return outputs
 
-    def _started(self, batch: ScheduledBatch):
-        """Note the requests this step schedules for the first time."""
-        now = time.monotonic()
-        for seq in batch.seqs:
-            metrics = seq.group[0].metrics
-            if metrics is not None and metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
-                self.num_prompt_tokens += seq.num_prompt_tokens
-                self.num_cached_tokens += seq.num_cached_tokens
-
     def _read_step(self, batch: ScheduledBatch, sampled: SampledTokens) -> list[RequestOutput]:
         """Wait for a launched step's tokens, record them, and return the requests' outputs."""
         new_tokens = self.scheduler.update(batch, sampled.tolist(), sampled.logprobs,
                                            self.output_processor.check_stop)
-        self.num_generation_tokens += len(new_tokens)
-        now, roots = time.monotonic(), {}
-        for seq, _ in new_tokens:
-            root = roots[id(seq.group)] = seq.group[0]
-            if root.metrics is not None and seq is root:
-                root.metrics.first_token_time = root.metrics.first_token_time or now
-                root.metrics.last_token_time = now
-                root.metrics.num_output_tokens += 1
-        outputs = []
-        for root in roots.values():
-            finished = all(seq.is_finished for seq in root.group)
-            if finished and self.requests.pop(root.request_id, None) is not None:
-                root.metrics.finished_time = now
-            if finished or root.params.output_kind != "final":
-                outputs.append(self.output_processor.output(root))
+        outputs = self.output_processor.outputs(new_tokens)
+        for out in outputs:
+            if out.finished:
+                self.requests.pop(out.request_id, None)
         return outputs
 
     def is_finished(self) -> bool:

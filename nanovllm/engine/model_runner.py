@@ -12,14 +12,14 @@ from itertools import accumulate
 
 import torch
 
-from nanovllm.attention import AttentionMetadata, get_backend, query_tiles
+from nanovllm.attention import QUERY_TILE, AttentionMetadata, get_backend, query_tiles
 from nanovllm.engine.kv_cache import CPU_KVCACHE_BYTES, KVCache
 from nanovllm.engine.run_ahead import SampledTokens, fill_placeholders
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence, num_blocks_for, slot_mapping
 from nanovllm.layers.sampler import SamplingTensors, sample
 from nanovllm.models import model_class
-from nanovllm.utils.loader import init_dummy, load_model
+from nanovllm.utils.loader import load_model
 
 
 @dataclass
@@ -36,6 +36,13 @@ class StepInputs:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def sizes(self) -> tuple[int, int, int, int]:
+        """Tokens, sequences, query tiles and block table width of this step."""
+        num_tiles = sum(-(-(b - a) // QUERY_TILE) for a, b in zip(self.cu_seqlens_q[self.num_decodes:],
+                                                                   self.cu_seqlens_q[self.num_decodes + 1:]))
+        return len(self.input_ids), len(self.context_lens), num_tiles, max(map(len, self.block_tables))
 
 
 def step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
@@ -77,31 +84,24 @@ def unpack(flat: torch.Tensor, layout: tuple, lengths: tuple, num_decodes: int, 
 
 
 class ModelRunner:
-    def __init__(self, config, tp=None):
-        """Build this rank's shard of the model (all of it without `tp`), its KV cache and CUDA graphs.
-        `tp`: this rank's place in tensor parallelism (nanovllm/engine/distributed.py), or None."""
+    def __init__(self, config, device: torch.device | None = None):
+        """Build the model, its KV cache and, on CUDA, its CUDA graphs. (Tensor parallelism builds one
+        shard per rank: TPModelRunner, nanovllm/engine/distributed.py.)"""
         self.config = config
-        self.tp = tp
-        on_gpu = config.device == "cuda"
-        self.device = torch.device("cuda", tp.rank if tp else 0) if on_gpu else torch.device("cpu")
-        if on_gpu:
+        self.device = device or torch.device("cuda" if config.device == "cuda" else "cpu")
+        if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.block_size = config.kvcache_block_size
         cfg = config.hf_config
-        heads = (cfg["num_attention_heads"], cfg["num_key_value_heads"])
-        if tp is not None:  # this rank's heads
-            from nanovllm.layers.tensor_parallel import heads_per_rank, shard_model
-            heads = [heads_per_rank(n, tp.size) for n in heads]
-        self.backend = get_backend(config.attn_backend)(*heads, cfg["head_dim"], config)
+        self.backend = get_backend(config.attn_backend)(*self.heads(), cfg["head_dim"], config)
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.torch_dtype)
         with torch.device(self.device):
-            self.model = model_class(cfg)(cfg, self.backend).eval()
-            if tp is not None:
-                shard_model(self.model, tp.device_group, cfg["num_key_value_heads"])
+            self.model = self.build_model()
         torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
+            from nanovllm.utils.dummy_weights import init_dummy
             init_dummy(self.model, config.seed)
         else:
             load_model(self.model, config.model)
@@ -110,42 +110,42 @@ class ModelRunner:
         self.eos_token_ids: set[int] = set()  # the engine's, for min_tokens
         self.swap_space = self.graphs = None
         self.kv_cache = KVCache(self.model, config, self.device)
-        self.kv_cache.allocate(self._num_kv_blocks())
+        self.kv_cache.allocate(self.num_kv_blocks())
         if config.preemption_mode == "swap":
             from nanovllm.engine.swap import SwapSpace
             self.swap_space = SwapSpace(self.kv_cache.tensor, config.swap_space)
-        if on_gpu and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager:
             from nanovllm.engine.cuda_graphs import CUDAGraphs
             self.graphs = CUDAGraphs(self)
-        if tp is not None:
-            tp.idle = True  # every rank is built: the workers now wait for steps
 
-    def _num_kv_blocks(self) -> int:
-        """num_kvcache_blocks, or what fits (the smallest count of all ranks: rank 0's one block manager
-        hands out blocks for every rank's cache)."""
-        num_blocks = self.config.num_kvcache_blocks
-        if num_blocks < 0 and self.device.type == "cuda":
-            from nanovllm.engine.memory_profile import num_blocks_that_fit
-            num_blocks = num_blocks_that_fit(self)
-        elif num_blocks < 0:
-            num_blocks = CPU_KVCACHE_BYTES // self.kv_cache.block_bytes
-        return num_blocks if self.tp is None else self.tp.min(num_blocks)
+    def heads(self) -> tuple[int, int]:
+        return self.config.hf_config["num_attention_heads"], self.config.hf_config["num_key_value_heads"]
+
+    def build_model(self) -> torch.nn.Module:
+        return model_class(self.config.hf_config)(self.config.hf_config, self.backend).eval()
+
+    def num_kv_blocks(self) -> int:
+        """num_kvcache_blocks, or what fits in memory."""
+        if self.config.num_kvcache_blocks > 0:
+            return self.config.num_kvcache_blocks
+        if self.device.type == "cpu":
+            return CPU_KVCACHE_BYTES // self.kv_cache.block_bytes
+        from nanovllm.engine.memory_profile import num_blocks_that_fit
+        return num_blocks_that_fit(self)
 
     def upload(self, step: StepInputs, sizes: tuple[int, int, int, int], into: torch.Tensor | None = None):
         """The step's int32 fields in one flat tensor on the device (one copy; into `into`, a CUDA graph's
         inputs, if given), laid out by `sizes` (tokens, sequences, query tiles, table width), which may pad
         it (to a graph's sizes): padding tokens write nowhere (slot -1), padding sequences have no tokens
         and no keys, padding tiles no sequence. The sampled rows' token indices follow."""
-        num_seqs, width = sizes[1], sizes[3]
-        tables = [b for table in step.block_tables for b in table + [0] * (width - len(table))]
+        width = sizes[3]
         cu_k = list(accumulate(step.context_lens, initial=0))
         fields = [step.input_ids, step.positions, step.slot_mapping, step.cu_seqlens_q, cu_k, step.context_lens,
-                  query_tiles(step.cu_seqlens_q, step.num_decodes), tables]
-        pads = [0, 0, -1, step.cu_seqlens_q[-1], cu_k[-1], 0, -1, 0]
+                  query_tiles(step.cu_seqlens_q, step.num_decodes),
+                  [b for table in step.block_tables for b in table + [0] * (width - len(table))]]
         flat = []
-        for field, size, pad in zip(fields, field_sizes(*sizes), pads):
-            flat += field
-            flat += [pad] * (size - len(field))
+        for field_, size, pad in zip(fields, field_sizes(*sizes), [0, 0, -1, step.cu_seqlens_q[-1], cu_k[-1], 0, -1, 0]):
+            flat += field_ + [pad] * (size - len(field_))
         pinned = torch.tensor(flat + step.sample_rows, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         if into is None:
             return pinned.to(self.device, non_blocking=True)
@@ -158,40 +158,28 @@ class ModelRunner:
         if self.swap_space is not None:
             self.swap_space.move(step.swap_in, step.swap_out)
         self.kv_cache.copy_blocks(step.copies)
-        num_tiles = len(query_tiles(step.cu_seqlens_q, step.num_decodes)) // 2
-        lengths = (len(step.input_ids), len(step.context_lens), num_tiles, max(map(len, step.block_tables)))
         graph = self.graphs.find(step) if self.graphs is not None else None
-        layout = graph.sizes if graph is not None else lengths
+        layout = graph.sizes if graph is not None else step.sizes
         flat = self.upload(step, layout, graph.inputs if graph is not None else None)
-        input_ids, positions, meta = unpack(flat, layout, lengths, step.num_decodes, step)
+        input_ids, positions, meta = unpack(flat, layout, step.sizes, step.num_decodes, step)
         if min(step.input_ids) < 0:
             self.fill_placeholders(input_ids)
-        if graph is not None:
-            hidden = graph.replay(meta)
-        else:
-            hidden = self.model(input_ids, positions, meta)
-        sample_rows = flat[flat.numel() - len(step.sample_rows):]
-        return self.model.compute_logits(hidden[sample_rows])
+        hidden = graph.replay(meta) if graph is not None else self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden[flat[flat.numel() - len(step.sample_rows):]])
+
+    def step_inputs(self, batch: ScheduledBatch) -> StepInputs:
+        return step_inputs(batch, self.block_size)
 
     def fill_placeholders(self, input_ids: torch.Tensor):
-        """Put the tokens the last step sampled in place of their placeholders (rank 0 holds them and
-        sends the filled ids to the other ranks)."""
-        if self.tp is None or self.tp.rank == 0:
-            fill_placeholders(input_ids, self.last_tokens)
-        if self.tp is not None:
-            self.tp.broadcast(input_ids)
+        """Put the tokens the last step sampled in place of their placeholders."""
+        fill_placeholders(input_ids, self.last_tokens)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> SampledTokens:
         """Launch one step of the batch and its sampling, without waiting for the GPU: the next token
         of each sample row (a row per sampling sequence, n rows for the prompt of a new n-sample
         request) and, when asked, their log-probabilities (which do wait)."""
-        step = step_inputs(batch, self.block_size)
-        if self.tp is not None:
-            self.tp.send_step(step)  # the other ranks run the same forward pass on their shards
-        logits = self.execute(step)
-        if self.tp is not None:
-            self.tp.idle = True
+        logits = self.execute(self.step_inputs(batch))
         rows = [(seq, seq.sample_index + j) for seq, k in zip(batch.seqs, batch.num_samples) for j in range(k)]
         scores = logits
         if any(seq.params.penalized for seq, _ in rows):

@@ -127,23 +127,18 @@ class Scheduler:
             fresh = len(seq.group) == 1  # a new request: an n-sample one (or a beam search) forks later
             if len(self.running) + (max(seq.params.n, seq.beam_width) if fresh else 1) > self.max_num_seqs:
                 break
-            if not seq.block_table and not self._allocate_group(seq):
+            if not seq.block_table and not self._allocate(seq):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._add(batch, seq)
 
-    def _allocate_group(self, seq: Sequence) -> bool:
-        """Blocks for all the waiting members of the sequence's group, or for none: beams admitted one
-        by one could each hold blocks while waiting for a sibling that no longer fits."""
-        members = [s for s in seq.group if s.status == SequenceStatus.WAITING and not s.block_table]
-        for i, member in enumerate(members):
-            if not self.block_manager.allocate(member):
-                for done in members[:i]:
-                    self.block_manager.free(done)
-                return False
-        return True
+    def _allocate(self, seq: Sequence) -> bool:
+        if len(seq.group) == 1:
+            return self.block_manager.allocate(seq)
+        from nanovllm.engine.sharing import allocate_group  # a group of samples or beams
+        return allocate_group(self.block_manager, seq)
 
     def _record(self, batch: ScheduledBatch):
         """Order the batch (one-token sequences first, longest context first: the attention kernels
@@ -160,8 +155,13 @@ class Scheduler:
             position = len(seq.token_ids)
             k = 0
             if seq.num_computed_tokens == position:  # the last known token: it samples
-                k = seq.params.n if len(seq.group) == 1 else 1
-                for j, sample in enumerate([seq] + [self.fork(seq) for _ in range(k - 1)]):
+                samples = [seq]
+                if len(seq.group) == 1 and seq.params.n > 1:  # a new request's other samples fork now
+                    from nanovllm.engine.sharing import fork
+                    samples += [fork(seq, self.block_manager) for _ in range(seq.params.n - 1)]
+                    self.running.extend(samples[1:])
+                k = len(samples)
+                for j, sample in enumerate(samples):
                     batch.sampled.append((sample, row + j, position))
                     if not sample.beam_width:  # a beam gets candidates instead
                         sample.token_ids.append(placeholder(row + j))
@@ -179,13 +179,6 @@ class Scheduler:
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
-
-    def fork(self, seq: Sequence) -> Sequence:
-        """A new running member of the sequence's group that shares all its blocks (the paper's fork)."""
-        child = seq.fork()
-        self.block_manager.fork(seq, child)
-        self.running.append(child)
-        return child
 
     def update(self, batch: ScheduledBatch, token_ids: list[int], logprobs: list | None,
                is_finished) -> list[tuple[Sequence, int]]:

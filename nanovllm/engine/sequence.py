@@ -2,11 +2,9 @@
 map of PagedAttention, the vLLM paper's section 4.2).
 
 A request with several outputs (parallel samples, or the beams of a beam search) is a *group* of
-sequences made by `fork`: a child starts as a copy of its parent's tokens and, through
-`BlockManager.fork`, shares its parent's KV blocks. A token sampled by a step that is still on the
-GPU stands as a placeholder in `token_ids` (nanovllm/engine/run_ahead.py).
+sequences that share KV blocks (nanovllm/engine/sharing.py). A token sampled by a step that is still
+on the GPU stands as a placeholder in `token_ids` (nanovllm/engine/run_ahead.py).
 """
-from copy import copy
 from enum import Enum, auto
 from itertools import count
 
@@ -62,15 +60,6 @@ class Sequence:
         self.candidates: dict[int, float] | None = None  # a beam's next tokens -> log-probability
         self.logprobs: list[dict[int, float]] = []  # per generated token, when params.logprobs is set
         self.cumulative_logprob = 0.0
-
-    def fork(self) -> "Sequence":
-        """A new member of the group with this sequence's tokens and progress; it shares the
-        sequence's blocks through BlockManager.fork."""
-        child = copy(self)
-        child.seq_id, child.sample_index = next(Sequence._ids), len(self.group)
-        child.token_ids, child.logprobs, child.stream = list(self.token_ids), list(self.logprobs), None
-        self.group.append(child)
-        return child
 
     def __len__(self):
         return len(self.token_ids)

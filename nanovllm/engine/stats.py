@@ -11,10 +11,10 @@ def engine_stats(engine) -> dict:
         "num_swapped": sum(map(len, swap.swapped)) if swap else 0,
         "kv_blocks_used": blocks.num_blocks - blocks.num_free_blocks,
         "kv_blocks_total": blocks.num_blocks,
-        "prefix_cache_hit_rate": engine.num_cached_tokens / max(1, engine.num_prompt_tokens),
+        "prefix_cache_hit_rate": engine.output_processor.num_cached_tokens / max(1, engine.output_processor.num_prompt_tokens),
         "num_preemptions": scheduler.num_preemptions,  # recomputed and swapped out together
         "num_swapped_out": swap.num_swapped_out_groups if swap else 0,
-        "prompt_tokens": engine.num_prompt_tokens,  # admitted prompts, cached tokens included
-        "cached_prompt_tokens": engine.num_cached_tokens,
-        "generation_tokens": engine.num_generation_tokens,
+        "prompt_tokens": engine.output_processor.num_prompt_tokens,  # admitted prompts, cached tokens included
+        "cached_prompt_tokens": engine.output_processor.num_cached_tokens,
+        "generation_tokens": engine.output_processor.num_generation_tokens,
     }

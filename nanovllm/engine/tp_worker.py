@@ -14,8 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanovllm.engine.distributed import STARTUP_TIMEOUT, join_group, share_cpu_cores
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.distributed import STARTUP_TIMEOUT, TPModelRunner, join_group, share_cpu_cores
 
 
 def exit_with_parent(parent_pid: int):
@@ -37,7 +36,7 @@ def main(rank: int, port: int, parent_pid: int):
     store.add("started", 1)
     group = join_group(store, rank, config.tensor_parallel_size, config.device)
     try:
-        runner = ModelRunner(config, group)
+        runner = TPModelRunner(config, group)
         while (step := group.receive_step()) is not None:
             runner.execute(step)
     finally:

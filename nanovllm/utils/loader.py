@@ -57,16 +57,3 @@ def load_tensor(model: nn.Module, params: dict, packed: dict, name: str, tensor:
         raise ValueError(f"tensor {name!r} of shape {list(tensor.shape)} does not fit {target} "
                          f"of shape {list(param.shape)}") from None
     return target
-
-
-@torch.no_grad()
-def init_dummy(model: nn.Module, seed: int):
-    """Random weights for benchmarks: small normal matrices, unit norms, zero biases.
-
-    Each tensor-parallel rank draws its own shard, so the weights differ from those of one rank."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        if p.dim() > 1:
-            p.normal_(0, 0.02, generator=gen)
-        else:
-            p.fill_(0.0 if name.endswith("bias") else 1.0)
