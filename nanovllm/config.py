@@ -32,6 +32,7 @@ class Config:
     prefill_first: bool = False          # True: steps that prefill run no decodes (vLLM v0's order)
     preemption_mode: str = "recompute"   # or "swap": preempted blocks move to a CPU pool
     swap_space: float = 4.0              # GiB of CPU memory for swapped-out blocks
+    kv_reservation: str | None = None    # Orca's reservations, not paging: engine/reservation.py
     skip_tokenizer_init: bool = False
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -75,7 +76,8 @@ class Config:
     def _check_choices(self):
         choices = {"attn_backend": ("", *BACKENDS), "device": ("", "cuda", "cpu"),
                    "dtype": ("auto", *DTYPES), "load_format": ("safetensors", "dummy"),
-                   "preemption_mode": ("recompute", "swap")}
+                   "preemption_mode": ("recompute", "swap"),
+                   "kv_reservation": (None, "oracle", "pow2", "max")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
