@@ -3,7 +3,7 @@ against the reservations of its Orca baselines (`kv_reservation`: oracle, pow2, 
 
     python benchmarks/figure12.py run --trace sharegpt -o benchmarks/results/figure12_sharegpt.json
     python benchmarks/figure12.py run --trace alpaca -o benchmarks/results/figure12_alpaca.json
-    python benchmarks/figure12.py plot benchmarks/results/figure12_*.json --out-dir benchmarks/results
+    python benchmarks/figure12.py plot benchmarks/results/figure12_*.json
 
 `run` serves one trace in each mode, with the same requests, on Qwen3-0.6B's shape with random
 weights and a KV cache as small against the demand as the paper's (docs/figure12.md says why):
@@ -33,8 +33,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serving  # noqa: E402
 
+# 984 blocks of 16: 15,744 KV slots, as many as the paper's OPT-13B had on one A100-40GB (15.7K)
 GPU_SETUP = dict(arch="Qwen3-0.6B", attn_backend="triton", block_size=16, max_model_len=2048,
-                 num_kvcache_blocks=984)  # 15,744 slots: the paper's OPT-13B on one A100-40GB (15.7K)
+                 num_kvcache_blocks=984)
 TINY_SETUP = dict(block_size=16, max_model_len=256, num_kvcache_blocks=48)  # "max" holds 3 requests
 STYLE = {"max": ("tab:red", "x", "Orca (Max)"), "pow2": ("tab:orange", "^", "Orca (Pow2)"),
          "oracle": ("tab:green", "s", "Orca (Oracle)"), "paged": ("tab:blue", "o", "paged (vLLM)")}
@@ -51,7 +52,8 @@ def run_summary(result: dict, samples: list) -> dict:
     ttft = [r["ttft"] for r in recs if r["ttft"] is not None]
     tpot = [r["tpot"] for r in recs if r["tpot"] is not None]
     keep = {k: result[k] for k in ("wall", "steps", "requests_per_s", "output_tokens_per_s",
-                                   "mean_running", "max_running", "unfinished", "normalized_latency")}
+                                   "mean_running", "max_running", "unfinished",
+                                   "normalized_latency", "preemptions")}
     means = serving.sample_means(samples)
     queue = [r["queue"] for r in recs if r["queue"] is not None]
     return dict(keep, requests=len(recs) + result["unfinished"], kv_slots=means,
@@ -75,8 +77,9 @@ def setup(args) -> dict:
 
 
 def run(args):
-    out = dict(trace=args.trace, setup=setup(args), fractions=args.fractions, duration=args.duration,
-               saturate=args.saturate, queue_steps=args.queue_steps, modes={})
+    out = dict(trace=args.trace, setup=setup(args), fractions=args.fractions,
+               duration=args.duration, saturate=args.saturate, queue_steps=args.queue_steps,
+               modes={})
     for mode in args.modes:
         llm = serving.make_llm(args, **serving.engine_options(args, mode))
         out["device"] = device_name(llm)
@@ -92,17 +95,18 @@ def run(args):
                          tokens_per_s=serving.tokens_per_s(loaded))
         saturated["capacity"] = saturated["tokens_per_s"] / mean_output  # requests per second
         out["modes"][mode] = dict(saturated=saturated, mean_output=mean_output, runs=[])
-        print(f"{args.trace}, {mode}, saturated: {saturated['tokens_per_s']:,.0f} output tokens/s = "
-              f"{saturated['capacity']:.2f} req/s, mean running {saturated['sampled_running']:.1f}, "
-              f"KV token states {saturated['kv_shares']['tokens']:.0%}", flush=True)
+        print(f"{args.trace}, {mode}, saturated: {saturated['tokens_per_s']:,.0f} output "
+              f"tokens/s = {saturated['capacity']:.2f} req/s, mean running "
+              f"{saturated['sampled_running']:.1f}, KV token states "
+              f"{saturated['kv_shares']['tokens']:.0%}", flush=True)
         save(out, args.output)
         for i, fraction in enumerate(args.fractions):
             rate = fraction * saturated["capacity"]
             n = max(args.min_requests, round(rate * args.duration))
             requests = serving.synthesize(args.trace, n, args.seed + 1 + i, max_len)
             arrivals = serving.poisson_arrivals(rate, n, args.seed + 1 + i)
-            result = serving.drive(llm, requests, arrivals, vocab, args.seed, sample_every=args.sample_every,
-                                   deadline=2 * arrivals[-1] + 10)
+            result = serving.drive(llm, requests, arrivals, vocab, args.seed,
+                                   sample_every=args.sample_every, deadline=2 * arrivals[-1] + 10)
             summary = dict(run_summary(result, result["samples"]), rate=rate, fraction=fraction)
             out["modes"][mode]["runs"].append(summary)
             save(out, args.output)
@@ -153,28 +157,32 @@ def tables(data: dict) -> str:
     rates = {mode: sustained(m["runs"], steps) for mode, m in modes.items()}
     ref = modes.get("paged")
     s = data["setup"]
+    slots = s["num_kvcache_blocks"] * s["block_size"]
     lines = [f"### {data['trace']}: {data.get('device', '?')}, {s['arch']}, {s['attn_backend']}, "
-             f"{s['num_kvcache_blocks']} blocks of {s['block_size']} tokens "
-             f"({s['num_kvcache_blocks'] * s['block_size']:,} slots), max_model_len {s['max_model_len']}",
-             "", f"Saturated: requests always waiting. Sustained: the highest rate at which the median "
+             f"{s['num_kvcache_blocks']} blocks of {s['block_size']} tokens ({slots:,} slots), "
+             f"max_model_len {s['max_model_len']}", "",
+             "Saturated: requests always waiting. Sustained: the highest rate at which the median "
              f"request waited at most {steps:g} decode steps (median TPOT) to be scheduled.", "",
-             "| mode | saturated req/s | output tokens/s | mean batch | token states | tail | reserved, "
-             "later | reserved, never | free | sustained req/s | paged / mode (sustained) | "
-             "paged / mode (saturated) |", "|" + "---|" * 12]
+             ("| mode | saturated req/s | output tokens/s | mean batch | preemptions | token "
+              "states | tail | reserved, later | reserved, never | free | sustained req/s | "
+              "paged / mode (sustained) | paged / mode (saturated) |"), "|" + "---|" * 13]
     for mode, m in modes.items():
         sat, kv = m["saturated"], m["saturated"]["kv_shares"]
         ratio_s = (f"{rates['paged'] / rates[mode]:.2f}" if ref and rates[mode] else "")
         ratio_c = f"{ref['saturated']['capacity'] / sat['capacity']:.2f}" if ref else ""
+        shares = " | ".join(f"{kv[k]:.1%}" for k in serving.BREAKDOWN)
         lines.append(f"| {mode} | {sat['capacity']:.2f} | {sat['tokens_per_s']:,.0f} | "
-                     f"{sat['sampled_running']:.1f} | " + " | ".join(f"{kv[k]:.1%}" for k in serving.BREAKDOWN)
-                     + f" | {rates[mode]:.2f} | {ratio_s} | {ratio_c} |")
-    lines += ["", "| mode | rate req/s | requests | normalized latency ms/token | queueing p50 ms | "
-              "TTFT p50 ms | TPOT p50 ms | mean running | aborted |", "|" + "---|" * 9]
+                     f"{sat['sampled_running']:.1f} | {sat['preemptions']} | {shares} | "
+                     f"{rates[mode]:.2f} | {ratio_s} | {ratio_c} |")
+    lines += ["", ("| mode | rate req/s | requests | normalized latency ms/token | queueing p50 ms "
+                   "| TTFT p50 ms | TPOT p50 ms | mean running | preemptions | aborted |"),
+              "|" + "---|" * 10]
     for mode, m in modes.items():
         for r in m["runs"]:
-            lines.append(f"| {mode} | {r['rate']:.2f} | {r['requests']} | {r['normalized_latency'] * 1e3:.2f} | "
-                         f"{r['queue_p50'] * 1e3:.0f} | {r['ttft_p50'] * 1e3:.0f} | {r['tpot_p50'] * 1e3:.2f} | "
-                         f"{r['mean_running']:.1f} | {r['unfinished']} |")
+            lines.append(f"| {mode} | {r['rate']:.2f} | {r['requests']} | "
+                         f"{r['normalized_latency'] * 1e3:.2f} | {r['queue_p50'] * 1e3:.0f} | "
+                         f"{r['ttft_p50'] * 1e3:.0f} | {r['tpot_p50'] * 1e3:.2f} | "
+                         f"{r['mean_running']:.1f} | {r['preemptions']} | {r['unfinished']} |")
     return "\n".join(lines)
 
 
@@ -195,8 +203,8 @@ def plot(args):
         for mode, m in d["modes"].items():
             color, marker, label = STYLE[mode]
             runs = m["runs"]
-            ax.plot([r["rate"] for r in runs], [r["normalized_latency"] * 1e3 for r in runs], color=color,
-                    marker=marker, label=label)
+            ax.plot([r["rate"] for r in runs], [r["normalized_latency"] * 1e3 for r in runs],
+                    color=color, marker=marker, label=label)
             if runs:  # the paper's lines leave the chart where they blow up; so do these
                 top = max(top, 6 * runs[0]["normalized_latency"] * 1e3)
         ax.set_ylim(0, top or None)
@@ -225,7 +233,8 @@ def plot(args):
         left = [0.0] * len(modes)
         for k in serving.BREAKDOWN:
             share = [d["modes"][m]["saturated"]["kv_shares"][k] * 100 for m in modes]
-            bars = ax.barh([STYLE[m][2] for m in modes], share, left=left, color=KV_COLORS[k], label=KV_LABELS[k])
+            bars = ax.barh([STYLE[m][2] for m in modes], share, left=left, color=KV_COLORS[k],
+                           label=KV_LABELS[k])
             if k == "tokens":
                 ax.bar_label(bars, fmt="%.1f%%", label_type="center", fontsize=8, color="white")
             left = [a + b for a, b in zip(left, share)]
@@ -236,14 +245,16 @@ def plot(args):
     save_fig(fig, args.out_dir, "figure2_memory.png")
 
     rows = max(len(d["modes"]) for d in data)
-    fig, axes = plt.subplots(rows, width, figsize=(5.5 * width, 1.9 * rows), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(rows, width, figsize=(5.5 * width, 1.9 * rows), squeeze=False,
+                             sharey=True)
     for col, d in enumerate(data):
         for row, (mode, m) in enumerate(d["modes"].items()):
             samples = m["saturated"]["samples"]
             fields = serving.SAMPLE_FIELDS
             t = [s[0] for s in samples]
             total = [sum(s[fields.index(k)] for k in serving.BREAKDOWN) or 1 for s in samples]
-            stack = [[100 * s[fields.index(k)] / n for s, n in zip(samples, total)] for k in serving.BREAKDOWN]
+            stack = [[100 * s[fields.index(k)] / n for s, n in zip(samples, total)]
+                     for k in serving.BREAKDOWN]
             ax = axes[row][col]
             ax.stackplot(t, stack, colors=[KV_COLORS[k] for k in serving.BREAKDOWN],
                          labels=[KV_LABELS[k] for k in serving.BREAKDOWN])
@@ -274,15 +285,16 @@ def main():
     r.add_argument("--trace", default="sharegpt", choices=sorted(serving.TRACES))
     r.add_argument("-o", "--output", default="", help="the JSON file (rewritten after every run)")
     r.add_argument("--modes", nargs="+", default=list(serving.MODES), choices=list(serving.MODES))
-    r.add_argument("--fractions", nargs="+", type=float, default=[0.3, 0.6, 0.8, 0.9, 1.0, 1.1, 1.25],
+    r.add_argument("--fractions", nargs="+", type=float,
+                   default=[0.4, 0.7, 0.9, 1.0, 1.15],
                    help="Poisson rates, as fractions of the mode's saturated rate")
-    r.add_argument("--duration", type=float, default=6.0, help="seconds of arrivals per Poisson run")
+    r.add_argument("--duration", type=float, default=5.0, help="seconds of Poisson arrivals")
     r.add_argument("--saturate", type=float, default=5.0, help="seconds of the saturated run")
-    r.add_argument("--backlog", type=int, default=64, help="requests kept waiting in the saturated run")
+    r.add_argument("--backlog", type=int, default=64, help="requests kept waiting, saturated")
     r.add_argument("--min-requests", type=int, default=20)
     r.add_argument("--queue-steps", type=float, default=10.0,
-                   help="a run falls behind when its median request queues longer than this many steps")
-    r.add_argument("--sample-every", type=float, default=0.02, help="seconds between KV memory samples")
+                   help="a run falls behind when its median request queues longer (steps)")
+    r.add_argument("--sample-every", type=float, default=0.02, help="seconds between KV samples")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--tiny", action="store_true", help="a small random model on the CPU")
     r.add_argument("--arch", default="")

@@ -1,4 +1,4 @@
-"""Serving under load (the vLLM paper's section 6): `python benchmarks/serving.py --trace sharegpt --rate 8`.
+"""Serving under load (the vLLM paper's section 6): `python benchmarks/serving.py --rate 8`.
 
 Requests arrive by a Poisson process at `--rate` per second (`inf`: all at once); their prompt and
 output lengths follow a trace. The paper's Figure 11 gives the means of its two traces: ShareGPT
@@ -44,7 +44,7 @@ SAMPLE_FIELDS = ("t", "running", "waiting", "generated") + BREAKDOWN
 
 def clipped_lengths(z: np.ndarray, mus: tuple[float, float], sigmas: tuple[float, float],
                     max_model_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Prompt and output lengths from standard normal draws z[2, n]: exp(mu + sigma * z), clipped."""
+    """Prompt and output lengths from standard normal draws z[2, n]: exp(mu + sigma z), clipped."""
     prompt = np.clip(np.exp(mus[0] + sigmas[0] * z[0]), 2, min(PAPER_MAX_LEN, max_model_len // 2))
     prompt = prompt.astype(np.int64)
     high = np.minimum(PAPER_MAX_LEN, max_model_len - prompt)
@@ -62,12 +62,14 @@ def fitted_mus(trace: str) -> tuple[float, float]:
         low, high = mus[which] - 3, mus[which] + 3
         for _ in range(50):
             mus[which] = (low + high) / 2
-            mean = clipped_lengths(z, mus, (prompt_sigma, output_sigma), PAPER_MAX_LEN)[which].mean()
+            lengths = clipped_lengths(z, mus, (prompt_sigma, output_sigma), PAPER_MAX_LEN)
+            mean = lengths[which].mean()
             low, high = (mus[which], high) if mean < target else (low, mus[which])
     return mus[0], mus[1]
 
 
-def synthesize(trace: str, num_requests: int, seed: int, max_model_len: int) -> list[tuple[int, int]]:
+def synthesize(trace: str, num_requests: int, seed: int,
+               max_model_len: int) -> list[tuple[int, int]]:
     """(prompt tokens, output tokens) of each request."""
     sigmas = (TRACES[trace][0][1], TRACES[trace][1][1])
     z = np.random.default_rng(seed).standard_normal((2, num_requests))
@@ -91,18 +93,19 @@ def percentile(values: list[float], q: float) -> float:
 
 def kv_breakdown(block_manager, seqs) -> dict[str, int]:
     """What the KV cache's slots hold (the paper's Figure 2), summed over the running sequences:
-    token states (K/V computed, or being computed by the step in flight), the unused tail of the last
-    block that holds tokens, whole blocks reserved for tokens the request will compute later, whole
-    blocks it will never fill (it ends first: over-reservation), and free slots. A request's final
-    length is known here (the benchmark ignores end-of-sequence tokens). A block shared by several
-    sequences (n > 1, prefix hits) would count once per sequence; the benchmark's requests share none."""
+    token states (K/V computed, or being computed by the step in flight), the unused tail of the
+    last block that holds tokens, whole blocks reserved for tokens the request will compute later,
+    whole blocks it will never fill (it ends first: over-reservation), and free slots. A request's
+    final length is known here (the benchmark ignores end-of-sequence tokens). A block shared by
+    several sequences (n > 1, prefix hits) would count once for each; the benchmark shares none."""
     bs = block_manager.block_size
     out = dict.fromkeys(BREAKDOWN, 0)
     for seq in seqs:
         held = len(seq.block_table) * bs
         computed = min(seq.num_computed_tokens, held)
         filled = num_blocks_for(computed, bs) * bs  # the blocks holding tokens
-        will_fill = min(held, max(filled, num_blocks_for(seq.max_len - 1, bs) * bs))  # last token: no K/V
+        last = num_blocks_for(seq.max_len - 1, bs) * bs  # its last token gets no K/V
+        will_fill = min(held, max(filled, last))
         out["tokens"] += computed
         out["tail"] += filled - computed
         out["reserved_later"] += will_fill - filled
@@ -112,16 +115,18 @@ def kv_breakdown(block_manager, seqs) -> dict[str, int]:
 
 
 def drive(llm: LLM, requests: list[tuple[int, int]], arrivals: list[float], vocab: int, seed: int,
-          on_step=None, sample_every: float = 0.0, deadline: float = math.inf, backlog: int = 0) -> dict:
-    """Serve the requests as they arrive, or with backlog > 0 whenever fewer than `backlog` wait (the
-    engine is never short of work: a saturated run), until all end or `deadline` seconds pass (the
-    rest are then aborted). Per-run figures, per-request records, the step timeline, and every
-    `sample_every` seconds a sample of SAMPLE_FIELDS (running, waiting, tokens generated, KV slots)."""
+          on_step=None, sample_every: float = 0.0, deadline: float = math.inf,
+          backlog: int = 0) -> dict:
+    """Serve the requests as they arrive, or with backlog > 0 whenever fewer than `backlog` wait
+    (the engine is never short of work: a saturated run), until all end or `deadline` seconds pass
+    (the rest are then aborted). Per-run figures, per-request records, the step timeline, and every
+    `sample_every` seconds a sample of SAMPLE_FIELDS (running, waiting, tokens generated, KV)."""
     rng = np.random.default_rng(seed + 2)
-    legacy = "output_kind" not in SamplingParams.__dataclass_fields__  # an engine before RequestOutputs
+    legacy = "output_kind" not in SamplingParams.__dataclass_fields__  # before RequestOutputs
     index_of, done, arrived, timeline, samples = {}, {}, [], [], []
     running = max_running = steps = nxt = 0
     generated0, last_sample = getattr(llm, "num_generation_tokens", 0), -math.inf
+    preemptions0 = llm.scheduler.num_preemptions
     start = time.monotonic()
     while len(done) < len(requests):
         now = time.monotonic() - start
@@ -132,9 +137,11 @@ def drive(llm: LLM, requests: list[tuple[int, int]], arrivals: list[float], voca
             while not llm.is_finished():
                 llm.step()
             break
-        while nxt < len(requests) and (len(llm.scheduler.waiting) < backlog if backlog else arrivals[nxt] <= now):
+        while nxt < len(requests) and (
+                len(llm.scheduler.waiting) < backlog if backlog else arrivals[nxt] <= now):
             extra = {} if legacy else {"output_kind": "final"}
-            params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=requests[nxt][1], **extra)
+            params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=requests[nxt][1],
+                                    **extra)
             prompt = rng.integers(vocab, size=requests[nxt][0]).tolist()
             index_of[llm.add_request(prompt, params)] = nxt
             arrived.append(now if backlog else arrivals[nxt])
@@ -155,8 +162,9 @@ def drive(llm: LLM, requests: list[tuple[int, int]], arrivals: list[float], voca
         if now - last_sample >= sample_every:
             last_sample = now
             kv = kv_breakdown(llm.block_manager, llm.scheduler.running)
-            samples.append([now, len(llm.scheduler.running), len(llm.scheduler.waiting),
-                            getattr(llm, "num_generation_tokens", 0) - generated0] + [kv[k] for k in BREAKDOWN])
+            generated = getattr(llm, "num_generation_tokens", 0) - generated0
+            samples.append([now, len(llm.scheduler.running), len(llm.scheduler.waiting), generated]
+                           + [kv[k] for k in BREAKDOWN])
         if on_step is not None:
             on_step(steps)
         for out in (outputs[0] if legacy else outputs):
@@ -166,19 +174,22 @@ def drive(llm: LLM, requests: list[tuple[int, int]], arrivals: list[float], voca
     records = []
     for i, (finished_at, out) in done.items():
         metrics = None if legacy else out.metrics
-        records.append(dict(prompt=requests[i][0], output=requests[i][1], e2e=finished_at - arrived[i],
+        records.append(dict(prompt=requests[i][0], output=requests[i][1],
+                            e2e=finished_at - arrived[i],
                             queue=metrics.queue_time if metrics else None,
                             ttft=metrics.time_to_first_token if metrics else None,
                             tpot=metrics.time_per_output_token if metrics else None))
     output_tokens = sum(r["output"] for r in records)
-    return dict(wall=wall, steps=steps, requests_per_s=len(records) / wall, output_tokens_per_s=output_tokens / wall,
+    normalized = sum(r["e2e"] / r["output"] for r in records) / max(1, len(records))
+    return dict(wall=wall, steps=steps, requests_per_s=len(records) / wall,
+                output_tokens_per_s=output_tokens / wall, normalized_latency=normalized,
                 mean_running=running / max(1, steps), max_running=max_running, records=records,
                 unfinished=len(requests) - len(records), timeline=timeline, samples=samples,
-                normalized_latency=sum(r["e2e"] / r["output"] for r in records) / max(1, len(records)))
+                preemptions=llm.scheduler.num_preemptions - preemptions0)
 
 
 def window(samples: list[list[float]], skip: float = 0.0) -> list[list[float]]:
-    """The samples after the first `skip` share of the run's time (a saturated run ramps up first)."""
+    """The samples after the first `skip` share of the run's time (a saturated run ramps up)."""
     if not samples:
         return []
     t0 = samples[0][0] + skip * (samples[-1][0] - samples[0][0])
@@ -187,7 +198,8 @@ def window(samples: list[list[float]], skip: float = 0.0) -> list[list[float]]:
 
 def sample_means(samples: list[list[float]]) -> dict[str, float]:
     """The mean of each sampled quantity over the samples (each sample stands for an equal time)."""
-    return {k: sum(s[j] for s in samples) / max(1, len(samples)) for j, k in enumerate(SAMPLE_FIELDS)}
+    n = max(1, len(samples))
+    return {k: sum(s[j] for s in samples) / n for j, k in enumerate(SAMPLE_FIELDS)}
 
 
 def tokens_per_s(samples: list[list[float]]) -> float:
@@ -207,27 +219,31 @@ def summary(result: dict) -> str:
     recs = result["records"]
     ttft = [r["ttft"] for r in recs if r["ttft"] is not None]
     tpot = [r["tpot"] for r in recs if r["tpot"] is not None]
-    line = (f"{result['wall']:.2f} s, {result['steps']} steps, {result['requests_per_s']:.2f} req/s, "
-            f"{result['output_tokens_per_s']:,.0f} output tokens/s, normalized latency "
-            f"{result['normalized_latency'] * 1e3:.1f} ms/token, mean running {result['mean_running']:.1f}")
+    line = (f"{result['wall']:.2f} s, {result['steps']} steps, {result['requests_per_s']:.2f} "
+            f"req/s, {result['output_tokens_per_s']:,.0f} output tokens/s, normalized latency "
+            f"{result['normalized_latency'] * 1e3:.1f} ms/token, mean running "
+            f"{result['mean_running']:.1f}")
     if ttft:
-        line += (f"; TTFT p50 {percentile(ttft, 50) * 1e3:.0f} ms p99 {percentile(ttft, 99) * 1e3:.0f} ms; "
-                 f"TPOT p50 {percentile(tpot, 50) * 1e3:.1f} ms p99 {percentile(tpot, 99) * 1e3:.1f} ms")
+        line += (f"; TTFT p50 {percentile(ttft, 50) * 1e3:.0f} ms p99 "
+                 f"{percentile(ttft, 99) * 1e3:.0f} ms; TPOT p50 {percentile(tpot, 50) * 1e3:.1f} "
+                 f"ms p99 {percentile(tpot, 99) * 1e3:.1f} ms")
     if result.get("samples"):
         kv = shares(sample_means(result["samples"]))
         line += "; KV cache: " + ", ".join(f"{k} {v:.0%}" for k, v in kv.items())
+    if result["preemptions"]:
+        line += f"; {result['preemptions']} preemptions"
     if result["unfinished"]:
         line += f"; {result['unfinished']} requests aborted at the deadline"
     return line
 
 
 def make_llm(args, **options) -> LLM:
-    """Qwen3-0.6B's shape (--arch) with random weights, or with --tiny a small random model on the CPU;
-    `options` override the defaults."""
+    """Qwen3-0.6B's shape (--arch) with random weights, or with --tiny a small random model on the
+    CPU; `options` override the defaults."""
     if args.tiny:
         import torch
         from tests.helpers import build_random_checkpoint
-        torch.set_num_threads(1)  # a small model runs faster on one thread than on busy shared cores
+        torch.set_num_threads(1)  # a small model runs faster on one thread than on shared cores
         path = os.path.join(os.environ.get("TMPDIR", "/tmp"), "nanovllm-serving-tiny")
         if not os.path.isfile(os.path.join(path, "config.json")):
             build_random_checkpoint("qwen3", path)
@@ -235,7 +251,8 @@ def make_llm(args, **options) -> LLM:
                         num_kvcache_blocks=args.num_kvcache_blocks or 64, max_model_len=1024)
         return LLM(path, **{**defaults, **options})
     defaults = dict(load_format="dummy", skip_tokenizer_init=True, attn_backend=args.attn_backend,
-                    num_kvcache_blocks=args.num_kvcache_blocks or -1, enforce_eager=args.enforce_eager)
+                    num_kvcache_blocks=args.num_kvcache_blocks or -1,
+                    enforce_eager=args.enforce_eager)
     return LLM(os.path.join(ARCHS, args.arch), **{**defaults, **options})
 
 
@@ -252,8 +269,8 @@ def engine_options(args, mode: str) -> dict:
 
 
 def warm_up(llm: LLM, trace: str, seed: int):
-    """A few requests at once, so that the measured runs compile and capture nothing."""
-    warm = synthesize(trace, 8, seed + 7, llm.config.max_model_len)
+    """A few short requests at once, so that the measured runs compile and capture nothing."""
+    warm = [(p, min(o, 64)) for p, o in synthesize(trace, 8, seed + 7, llm.config.max_model_len)]
     drive(llm, warm, [0.0] * len(warm), llm.config.hf_config["vocab_size"], seed + 7)
 
 
@@ -269,13 +286,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--attn-backend", default="triton", choices=["flash", "triton", "sdpa"])
     p.add_argument("--arch", default="Qwen3-0.6B")
     p.add_argument("--num-kvcache-blocks", type=int, default=0, help="0: as much as fits")
-    p.add_argument("--block-size", type=int, default=0, help="KV block size (0: the engine's default)")
+    p.add_argument("--block-size", type=int, default=0, help="KV block size (0: the engine's)")
     p.add_argument("--max-model-len", type=int, default=0, help="0: the engine's default")
-    p.add_argument("--sample-every", type=float, default=0.05, help="seconds between KV memory samples")
-    p.add_argument("--prefill-first", action="store_true", help="vLLM v0's order instead of mixed steps")
+    p.add_argument("--sample-every", type=float, default=0.05, help="seconds between KV samples")
+    p.add_argument("--prefill-first", action="store_true", help="vLLM v0's order, not mixed steps")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a small random model on the CPU")
-    p.add_argument("--json", default="", help="write each run's figures, requests, steps and samples here")
+    p.add_argument("--json", default="", help="write each run's figures, requests, steps, samples")
     return p
 
 
@@ -289,9 +306,11 @@ def main():
         requests = synthesize(args.trace, args.num_requests, args.seed, max_len)
         for rate in args.rate:
             arrivals = poisson_arrivals(rate, args.num_requests, args.seed)
-            result = drive(llm, requests, arrivals, vocab, args.seed, sample_every=args.sample_every)
-            print(f"{args.trace}, {mode}, rate {rate}, {args.num_requests} requests, {llm.config.attn_backend}, "
-                  f"prefill_first={args.prefill_first}: {summary(result)}", flush=True)
+            result = drive(llm, requests, arrivals, vocab, args.seed,
+                           sample_every=args.sample_every)
+            print(f"{args.trace}, {mode}, rate {rate}, {args.num_requests} requests, "
+                  f"{llm.config.attn_backend}, prefill_first={args.prefill_first}: "
+                  f"{summary(result)}", flush=True)
             runs.append(dict(vars(args), rate=str(rate), kv_reservation=mode, **result))
         llm.shutdown()
     if args.json:

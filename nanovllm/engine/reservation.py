@@ -35,14 +35,15 @@ class ReservingBlockManager(BlockManager):
         self.mode, self.max_model_len = config.kv_reservation, config.max_model_len
         need = num_blocks_for(self.max_model_len, self.block_size)
         if need > num_blocks:  # else a long request could wait forever for room it never finds
-            raise ValueError(f"kv_reservation={self.mode!r} needs a KV cache that holds a request of "
-                             f"max_model_len={self.max_model_len} tokens ({need} blocks), but it has "
-                             f"{num_blocks} blocks; raise num_kvcache_blocks or lower max_model_len")
+            raise ValueError(
+                f"kv_reservation={self.mode!r} needs a KV cache that holds a request of "
+                f"max_model_len={self.max_model_len} tokens ({need} blocks), but it has "
+                f"{num_blocks} blocks; raise num_kvcache_blocks or lower max_model_len")
 
     def reservation(self, seq: Sequence) -> int:
         return reserved_tokens(self.mode, seq.num_prompt_tokens, seq.params.max_tokens,
                                self.max_model_len)
 
     def allocate(self, seq: Sequence, num_slots: int = 0) -> bool:
-        """Blocks for the sequence's whole reservation, or False (and none taken) if they don't fit."""
+        """Blocks for the sequence's whole reservation; False (and none taken) if they don't fit."""
         return super().allocate(seq, max(num_slots, self.reservation(seq)))
