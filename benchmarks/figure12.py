@@ -18,7 +18,8 @@ weights and a KV cache as small against the demand as the paper's (docs/figure12
      latency blow up over its hour-long traces; in runs of seconds it shows first in the queueing
      delay, while the normalized latency of a mode that keeps up still grows with its batch (a step
      takes longer), which is no blow-up.
-The JSON file is rewritten after every run, so a run cut short keeps what it measured. `--tiny`
+The modes share `--budget` seconds: a mode starts no Poisson run once its share is spent (a run
+lasts at most twice --duration plus 10 s). The JSON file is rewritten after every run. `--tiny`
 runs a small random model on the CPU with a cache that holds 3 requests of max_model_len.
 
 `plot` draws figure12_latency.png, figure13_batch.png, figure2_memory.png and
@@ -29,6 +30,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serving  # noqa: E402
@@ -77,10 +79,13 @@ def setup(args) -> dict:
 
 
 def run(args):
+    started = time.monotonic()
     out = dict(trace=args.trace, setup=setup(args), fractions=args.fractions,
                duration=args.duration, saturate=args.saturate, queue_steps=args.queue_steps,
                modes={})
-    for mode in args.modes:
+    for k, mode in enumerate(args.modes):
+        mode_started = time.monotonic()  # the time left is shared by the modes left
+        share = (args.budget - (mode_started - started)) / (len(args.modes) - k)
         llm = serving.make_llm(args, **serving.engine_options(args, mode))
         out["device"] = device_name(llm)
         out["setup"]["kv_bytes_per_token"] = kv_bytes_per_token(llm)
@@ -101,6 +106,9 @@ def run(args):
               f"{saturated['kv_shares']['tokens']:.0%}", flush=True)
         save(out, args.output)
         for i, fraction in enumerate(args.fractions):
+            if time.monotonic() - mode_started > share:
+                print(f"{args.trace}, {mode}: its share of --budget is spent", flush=True)
+                break
             rate = fraction * saturated["capacity"]
             n = max(args.min_requests, round(rate * args.duration))
             requests = serving.synthesize(args.trace, n, args.seed + 1 + i, max_len)
@@ -295,6 +303,8 @@ def main():
     r.add_argument("--queue-steps", type=float, default=10.0,
                    help="a run falls behind when its median request queues longer (steps)")
     r.add_argument("--sample-every", type=float, default=0.02, help="seconds between KV samples")
+    r.add_argument("--budget", type=float, default=520.0,
+                   help="seconds for the whole command: a mode starts no run past its share")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--tiny", action="store_true", help="a small random model on the CPU")
     r.add_argument("--arch", default="")
