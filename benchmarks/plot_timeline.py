@@ -1,9 +1,10 @@
 """Draw what steps did over time: `python benchmarks/plot_timeline.py a.json b.json -o steps.png`.
 
-Each JSON file is a run of benchmarks/serving.py (--json). For a window of the run, the upper line
-is the number of sequences that decoded a token in each step and the shaded area the prompt tokens
-the step prefilled: with prefill_first, decodes drop to zero while prompts are prefilled (the stall
-one kind of step removes); mixed steps keep decoding through them.
+Each JSON file holds runs of benchmarks/serving.py (--json), each drawn in a panel of its own. For
+a window of the run, the upper line is the number of sequences that decoded a token in each step
+and the shaded area the prompt tokens the step prefilled: with prefill_first, decodes drop to zero
+while prompts are prefilled (the stall one kind of step removes); mixed steps keep decoding through
+them.
 """
 import argparse
 import json
@@ -21,13 +22,18 @@ def main():
     parser.add_argument("--start", type=float, default=2.0, help="window start (s)")
     parser.add_argument("--seconds", type=float, default=0.5, help="window length (s)")
     args = parser.parse_args()
-    fig, axes = plt.subplots(len(args.runs), 1, figsize=(10, 2.6 * len(args.runs)), sharex=True, squeeze=False)
-    for ax, path in zip(axes[:, 0], args.runs):
+    runs = []
+    for path in args.runs:
         with open(path) as f:
-            run = json.load(f)
+            data = json.load(f)
+        runs += data.get("runs", [data])  # serving.py's runs, or one run (files before sweeps)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.6 * len(runs)), sharex=True,
+                             squeeze=False)
+    for ax, run in zip(axes[:, 0], runs):
         steps = [s for s in run["timeline"] if args.start <= s[0] <= args.start + args.seconds]
         times = [s[0] - args.start for s in steps]
-        ax.step(times, [s[1] for s in steps], where="post", color="tab:blue", label="sequences decoding")
+        ax.step(times, [s[1] for s in steps], where="post", color="tab:blue",
+                label="sequences decoding")
         ax.set_ylabel("decodes per step")
         ax.set_ylim(bottom=0)
         twin = ax.twinx()

@@ -11,7 +11,8 @@ from nanovllm.models import model_class
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 CHOICES = {"attn_backend": ("", *BACKENDS), "device": ("", "cuda", "cpu"), "dtype": ("auto", *DTYPES),
-           "load_format": ("safetensors", "dummy"), "preemption_mode": ("recompute", "swap")}
+           "load_format": ("safetensors", "dummy"), "preemption_mode": ("recompute", "swap"),
+           "kv_reservation": (None, "oracle", "pow2", "max")}
 RANGES = {  # option: (test, what is allowed)
     **{name: (lambda v: v >= 1, ">= 1") for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len",
                                                      "tensor_parallel_size")},
@@ -41,6 +42,7 @@ class Config:
     prefill_first: bool = False          # True: steps that prefill run no decodes (vLLM v0's order)
     preemption_mode: str = "recompute"   # or "swap": preempted blocks move to a CPU pool
     swap_space: float = 4.0              # GiB of CPU memory for swapped-out blocks
+    kv_reservation: str | None = None    # Orca's reservations, not paging: engine/reservation.py
     skip_tokenizer_init: bool = False
     seed: int = 0
     tensor_parallel_size: int = 1

@@ -98,11 +98,12 @@ class BlockManager:
             prev_content_id = self.blocks[block_id].content_id
         return hits
 
-    def allocate(self, seq: Sequence) -> bool:
-        """Give a waiting sequence blocks for all its tokens, reusing a cached prefix; False if they don't fit."""
+    def allocate(self, seq: Sequence, num_slots: int = 0) -> bool:
+        """Give a waiting sequence blocks for all its tokens (or for num_slots tokens if more: a
+        reservation, engine/reservation.py), reusing a cached prefix; False if they don't fit."""
         assert not seq.block_table
         hits = self._cached_prefix(seq)
-        num_new = num_blocks_for(len(seq), self.block_size) - len(hits)
+        num_new = num_blocks_for(max(len(seq), num_slots), self.block_size) - len(hits)
         num_free_hits = sum(self.blocks[b].ref_count == 0 for b in hits)
         if num_new > self.num_free_blocks - num_free_hits:
             return False

@@ -43,6 +43,9 @@ class LLMEngine:
             raise
         num_blocks = self.model_runner.kv_cache.num_blocks
         self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
+        if config.kv_reservation is not None:  # the paper's Orca baselines: engine/reservation.py
+            from nanovllm.engine.reservation import ReservingBlockManager
+            self.block_manager = ReservingBlockManager(num_blocks, config)
         self.scheduler = Scheduler(config, self.block_manager)
         if config.preemption_mode == "swap":
             from nanovllm.engine.swap import Swapper
