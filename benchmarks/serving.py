@@ -125,7 +125,8 @@ def drive(llm: LLM, requests: list[tuple[int, int]], arrivals: list[float], voca
     legacy = "output_kind" not in SamplingParams.__dataclass_fields__  # before RequestOutputs
     index_of, done, arrived, timeline, samples = {}, {}, [], [], []
     running = max_running = steps = nxt = 0
-    generated0, last_sample = getattr(llm, "num_generation_tokens", 0), -math.inf
+    counts = getattr(llm, "output_processor", None)  # None: an engine before the output processor
+    generated0, last_sample = getattr(counts, "num_generation_tokens", 0), -math.inf
     preemptions0 = llm.scheduler.num_preemptions
     start = time.monotonic()
     while len(done) < len(requests):
@@ -162,7 +163,7 @@ def drive(llm: LLM, requests: list[tuple[int, int]], arrivals: list[float], voca
         if now - last_sample >= sample_every:
             last_sample = now
             kv = kv_breakdown(llm.block_manager, llm.scheduler.running)
-            generated = getattr(llm, "num_generation_tokens", 0) - generated0
+            generated = getattr(counts, "num_generation_tokens", 0) - generated0
             samples.append([now, len(llm.scheduler.running), len(llm.scheduler.waiting), generated]
                            + [kv[k] for k in BREAKDOWN])
         if on_step is not None:
