@@ -58,7 +58,8 @@ def test_arrivals_during_decode_and_chunked_prompts(tiny_path, backend):
     ids = {}
     for i, prompt in enumerate(prompts):  # one arrives per step while the others decode
         ids[llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))] = i
-        llm.held += llm.step()
+        outputs = llm.step()
+        llm.held.extend(outputs)
     got = {}
     while not llm.is_finished():
         for out in llm.step():

@@ -97,7 +97,8 @@ def beam_search(engine, prompts: list, beam_width: int, max_tokens: int, length_
         engine.scheduler.add(root)
     try:
         while not all(search.done for search in searches):
-            engine.held += engine.step()  # other requests' outputs, for the caller's next step()
+            outputs = engine.step()  # held outputs come back too: `held += step()` would double them
+            engine.held.extend(outputs)  # other requests' outputs, for the caller's next step()
             for search in searches:
                 if not search.done and search.ready():
                     search.advance(engine.scheduler)

@@ -3,6 +3,8 @@ a pool of blocks [num_blocks, block_size, num_kv_heads, head_dim], and the block
 copy-on-write. How many blocks: `num_kvcache_blocks` if given; on CPU, CPU_KVCACHE_BYTES; on CUDA,
 what gpu_memory_utilization leaves free (nanovllm/engine/memory_profile.py).
 """
+import math
+
 import torch
 
 from nanovllm.attention.paged_attention import PagedAttention
@@ -15,10 +17,8 @@ class KVCache:
         self.attns = [m for m in model.modules() if isinstance(m, PagedAttention)]
         self.shape = [2, len(self.attns), 0, config.kvcache_block_size, self.attns[0].num_kv_heads,
                       config.hf_config["head_dim"]]
-        self.dtype = config.torch_dtype
-        self.device = device
-        self.block_bytes = self.dtype.itemsize * self.shape[0] * self.shape[1] * self.shape[3] * self.shape[4] * self.shape[5]
-        self.tensor = None
+        self.dtype, self.device, self.tensor = config.torch_dtype, device, None
+        self.block_bytes = self.dtype.itemsize * math.prod(self.shape[:2] + self.shape[3:])
 
     def allocate(self, num_blocks: int):
         """Allocate the pools and point every layer at its own K and V."""
@@ -27,10 +27,6 @@ class KVCache:
         self.tensor = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.attns):
             attn.k_cache, attn.v_cache = self.tensor[0, i], self.tensor[1, i]
-
-    @property
-    def num_blocks(self) -> int:
-        return self.shape[2]
 
     def copy_blocks(self, copies: list[tuple[int, int]]):
         """Copy-on-write: each (src, dst) block, over all layers, in one index copy."""

@@ -41,7 +41,7 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
-        num_blocks = self.model_runner.kv_cache.num_blocks
+        num_blocks = self.model_runner.kv_cache.shape[2]
         self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
         if config.kv_reservation is not None:  # the paper's Orca baselines: engine/reservation.py
             from nanovllm.engine.reservation import ReservingBlockManager
@@ -93,6 +93,8 @@ class LLMEngine:
         live = [seq for seq in root.group if not seq.is_finished]
         for seq in live:
             seq.finish_reason = "abort"
+            while seq.token_ids[-1] < 0:  # placeholders of steps in flight: never filled now
+                seq.token_ids.pop()
         self.scheduler.finish(live)
         root.metrics.finished_time = time.monotonic()
         return True

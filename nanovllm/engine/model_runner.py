@@ -191,7 +191,7 @@ class ModelRunner:
         if any(seq.params.logprobs is not None for seq, _ in rows):
             from nanovllm.layers.logprobs import logprobs
             top = logprobs(logits, token_ids, [seq.params.logprobs for seq, _ in rows])
-        return SampledTokens.copy_to_host(token_ids, top)
+        return SampledTokens(token_ids, top)
 
     def sampling_tensors(self, rows: list[tuple[Sequence, int]]) -> SamplingTensors:
         """Per-row settings of (sequence, sample index) rows; truncation only where some row asks."""

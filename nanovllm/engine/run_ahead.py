@@ -7,8 +7,6 @@ placeholders: the model runner fills them on the device from the tokens step t l
 (`fill_placeholders`). When the engine reads step t's tokens (`SampledTokens`), the scheduler puts
 them in place of the placeholders. A sequence that ended at step t has wasted one token of step t+1.
 """
-from dataclasses import dataclass
-
 import torch
 
 
@@ -23,22 +21,16 @@ def fill_placeholders(input_ids: torch.Tensor, last_tokens: torch.Tensor):
     torch.where(input_ids < 0, last_tokens[rows].to(input_ids.dtype), input_ids, out=input_ids)
 
 
-@dataclass
 class SampledTokens:
     """A launched step's sampled token ids on their way to the host (and their log-probabilities)."""
-    host: torch.Tensor                  # [rows] int64, pinned on CUDA: filled once `ready` is reached
-    ready: torch.cuda.Event | None
-    logprobs: list | None = None
 
-    @classmethod
-    def copy_to_host(cls, token_ids: torch.Tensor, logprobs: list | None) -> "SampledTokens":
-        if not token_ids.is_cuda:
-            return cls(token_ids, None, logprobs)
-        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-        host.copy_(token_ids, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return cls(host, ready, logprobs)
+    def __init__(self, token_ids: torch.Tensor, logprobs: list | None):
+        self.host, self.ready, self.logprobs = token_ids, None, logprobs
+        if token_ids.is_cuda:  # a pinned copy, filled once the step reaches `ready`
+            self.host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            self.host.copy_(token_ids, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
 
     def tolist(self) -> list[int]:
         if self.ready is not None:
