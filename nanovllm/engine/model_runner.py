@@ -88,9 +88,8 @@ class ModelRunner:
         """Build the model, its KV cache and, on CUDA, its CUDA graphs. (Tensor parallelism builds one
         shard per rank: TPModelRunner, nanovllm/engine/distributed.py.)"""
         self.config = config
-        self.device = device or torch.device("cpu")
-        if config.device == "cuda":
-            self.device = device or torch.device("cuda", torch.cuda.current_device())
+        self.device = device or torch.device("cuda:0" if config.device == "cuda" else "cpu")
+        if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.block_size = config.kvcache_block_size
         cfg = config.hf_config
