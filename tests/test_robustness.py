@@ -86,7 +86,7 @@ def test_prompt_of_max_model_len_is_refused(short_path, tiny):
     with pytest.raises(ValueError, match="max_model_len=64"):
         llm.add_request(prompt, GREEDY)
     assert llm.is_finished() and llm.step() == []
-    out, = llm.generate([short[:10]], GREEDY, use_tqdm=False)  # still serves, as the long-table model
+    out, = llm.generate([short[:10]], GREEDY, use_tqdm=False)  # serves as the long-table model
     ref, = tiny.generate([short[:10]], GREEDY, use_tqdm=False)
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
 
@@ -193,7 +193,7 @@ def test_interrupted_generate_aborts_its_requests(tiny_path, monkeypatch, driver
     counter = count_steps(llm, monkeypatch)
     out, = llm.generate([short], GREEDY, use_tqdm=False)
     assert out.outputs[0].token_ids == expected
-    assert counter["steps"] <= GREEDY.max_tokens + 2  # the prefill, the decodes, one to read the last
+    assert counter["steps"] <= GREEDY.max_tokens + 2  # prefill, decodes, one to read the last
     drain(llm)
     assert_empty(llm)
 
@@ -229,7 +229,8 @@ def test_interrupt_from_a_progress_bar_callback(tiny_path, monkeypatch):
 
 
 def test_stream_stopped_early_aborts_its_requests(tiny):
-    """Before: llm.stream did not exist; a loop over step() that stopped left its requests queued."""
+    """Before: llm.stream did not exist; a loop over step() that stopped left its requests
+    queued."""
     for out in tiny.stream(random_prompts(3, (10, 30), seed=74), GREEDY):
         assert not out.finished
         break
@@ -318,11 +319,14 @@ def test_bad_sampling_params_name_the_argument(kwargs, error, message):
     assert str(err.value).startswith(message)
 
 
+DICT_OF_PROMPTS = ("a prompt must be a string, a list of token ids (int) or a dict with "
+                   "'prompt' or 'prompt_token_ids', not dict")
+
+
 @pytest.mark.parametrize("prompts, message", [
     (5, "prompts must be a string, a dict or a list of them, not int"),
     ([[True, False]], "a prompt must be a string, a list of token ids (int)"),
-    ({"first": [1, 2], "second": [3, 4]}, ("a prompt must be a string, a list of token ids (int) or a "
-                                           "dict with 'prompt' or 'prompt_token_ids', not dict")),
+    ({"first": [1, 2], "second": [3, 4]}, DICT_OF_PROMPTS),
 ])
 def test_bad_prompts_name_the_argument(tiny, prompts, message):
     """Before: generate(5) -> "object of type 'int' has no len()"; [True, False] ran as token ids
@@ -396,7 +400,8 @@ def test_float_block_size(tiny_path):
 TRITON_ON_CPU = """
 import sys
 from nanovllm import LLM
-LLM(sys.argv[1], skip_tokenizer_init=True, attn_backend="triton", device="cpu", num_kvcache_blocks=8)
+LLM(sys.argv[1], skip_tokenizer_init=True, attn_backend="triton", device="cpu",
+    num_kvcache_blocks=8)
 """
 
 
