@@ -151,6 +151,20 @@ def test_abort_waiting_and_running_requests_frees_their_blocks(tiny_path, tiny):
     assert llm.generate(prompts[3:], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
 
 
+def test_an_aborted_request_reports_nothing_more(tiny):
+    """Outputs of a request that another generate kept for the caller's next step() go when it is
+    aborted. Before: step() still returned them, unfinished, after the abort."""
+    early, late = random_prompts(2, (10, 30), seed=79)
+    request_id = tiny.add_request(early, GREEDY)
+    tiny.step()
+    tiny.generate([late], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                  use_tqdm=False)
+    assert any(out.request_id == request_id for out in tiny.held)  # kept for the caller
+    assert tiny.abort_request(request_id)
+    assert drain(tiny) == []
+    assert_empty(tiny)
+
+
 def test_abort_a_request_in_chunked_prefill_or_sharing_blocks(tiny_path, tiny):
     """A request aborted between two chunks of its prefill frees its blocks; one aborted while it
     shares prefix blocks with another leaves the other's blocks (and tokens) alone."""
