@@ -4,7 +4,8 @@ incremental detokenization (multi-byte characters, stop strings), llm.chat, per-
 llm.get_stats() and the progress bar's rates. Before these, generate returned dicts, step()
 returned only finished requests, and none of stream, chat, metrics or get_stats existed.
 """
-from itertools import pairwise
+import random
+from itertools import accumulate, pairwise
 from types import SimpleNamespace
 
 import pytest
@@ -229,6 +230,26 @@ def test_a_stop_string_is_never_partly_emitted(llm, france, output_kind):
         assert final.startswith(streamed) and streamed.startswith(before), streamed
     assert streamed == final and outputs[-1].finished and outputs[-1].outputs[0].stop_reason == stop
     assert len(outputs) > 3  # it streamed
+
+
+@pytest.mark.parametrize("output_kind", ["delta", "cumulative"])
+def test_stop_strings_cut_anywhere_in_the_text(llm, output_kind):
+    """Stop strings of 1 to 14 characters taken at random places of a greedy answer, streamed in
+    one batch: each request's streamed text adds up to (or grows into) the text before the first
+    occurrence of its stop string."""
+    prompt = chat(llm.tokenizer, "Name three colors of the rainbow.")
+    text = llm.generate([prompt], greedy(max_tokens=40), use_tqdm=False)[0].outputs[0].text
+    rng = random.Random(0)
+    starts_and_lengths = [(rng.randrange(len(text) - 14), rng.randint(1, 14)) for _ in range(10)]
+    stops = [text[i:i + n] for i, n in starts_and_lengths]
+    params = [greedy(max_tokens=40, stop=[stop], output_kind=output_kind) for stop in stops]
+    streamed = by_request(llm.stream([prompt] * len(stops), params))
+    for stop, outputs in zip(stops, streamed.values()):
+        texts = [out.outputs[0].text for out in outputs]
+        if output_kind == "delta":
+            texts = list(accumulate(texts))
+        assert all(b.startswith(a) for a, b in pairwise(texts))
+        assert texts[-1] == text[:text.index(stop)] and outputs[-1].outputs[0].stop_reason == stop
 
 
 def test_llm_stream_yields_growing_outputs_ending_finished(llm, france, japanese):
