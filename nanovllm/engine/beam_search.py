@@ -84,7 +84,8 @@ class BeamSearch:
 
 
 def beam_search(engine, prompts: list, beam_width: int, max_tokens: int, length_penalty: float) -> list[list[dict]]:
-    """Drive the engine's steps until every prompt's search is done; the finished beams, best first."""
+    """Drive the engine's steps until every prompt's search is done; the finished beams, best
+    first."""
     if not isinstance(beam_width, int) or beam_width < 1:
         raise ValueError(f"beam_width={beam_width} must be an integer >= 1")
     vocab = engine.config.hf_config["vocab_size"]
@@ -94,7 +95,7 @@ def beam_search(engine, prompts: list, beam_width: int, max_tokens: int, length_
     searches = [BeamSearch(root, beam_width, max(1, min(max_tokens, root.max_len - len(root))),
                            length_penalty, eos) for root in roots]
     for root in roots:
-        engine.scheduler.add(root)
+        engine.scheduler.waiting.append(root)
     try:
         while not all(search.done for search in searches):
             outputs = engine.step()  # held outputs come back too: `held += step()` would double them

@@ -4,13 +4,14 @@ A step is a few hundred small kernels; launched one by one they leave the GPU wa
 Replaying a graph captured once launches them all at once. Each step is padded to a captured size: a
 step of decodes only to the next batch size of one ladder, any other step to the next token count of
 another, up to max_num_batched_tokens. Padding tokens write no K/V (slot -1); padding sequences have
-no tokens and no keys. Each graph reads its inputs from a flat tensor of its own, at fixed addresses:
-a step laid out by the graph's sizes is uploaded into it (ModelRunner.upload). The graphs
+no tokens and no keys. Each graph reads its inputs from a flat tensor of its own, at fixed
+addresses: a step laid out by the graph's sizes is uploaded into it (ModelRunner.upload). The graphs
 are captured largest first and share one memory pool.
 
 How much of a step a graph holds is the backend's to say (AttentionBackend.cudagraph_support):
-- a whole graph where the attention kernels take their grids from the graph's sizes and read from the
-  data which rows to run: the triton backend for any step, flash-attn's decode kernel for decodes;
+- a whole graph where the attention kernels take their grids from the graph's sizes and read from
+  the data which rows to run: the triton backend for any step, flash-attn's decode kernel for
+  decodes;
 - a piecewise graph otherwise (vLLM v1's piecewise mode): the layers between two attention calls are
   captured, and attention runs eagerly between the replays, with the step's own shapes (flash-attn's
   varlen kernel and sdpa take them from the host).

@@ -66,8 +66,8 @@ class TPGroup:
         return int(t)
 
     def close(self):
-        """Shut the groups down; every rank does it at once. NCCL frees a communicator only when the CUDA graphs
-        that captured its collectives are gone, so they go first."""
+        """Shut the groups down; every rank does it at once. NCCL frees a communicator only when the
+        CUDA graphs that captured its collectives are gone, so they go first."""
         self.graphs.clear()
         self.device_group.shutdown()
         self.cpu_group.shutdown()
@@ -81,8 +81,8 @@ class TPGroup:
 
 class TPModelRunner(ModelRunner):
     """One rank's model runner: its shard of the model (nanovllm/layers/tensor_parallel.py), the KV
-    blocks that fit on every rank (rank 0's one block manager hands them out for all), and, on rank 0,
-    each step sent to the other ranks, which run the same forward pass on their shards."""
+    blocks that fit on every rank (rank 0's one block manager hands them out for all), and, on rank
+    0, each step sent to the other ranks, which run the same forward pass on their shards."""
 
     def __init__(self, config, tp: TPGroup):
         self.tp = tp
@@ -111,14 +111,16 @@ class TPModelRunner(ModelRunner):
         return sampled
 
     def fill_placeholders(self, input_ids: torch.Tensor):
-        """Rank 0 holds the last step's tokens: it fills the ids and sends them to the other ranks."""
+        """Rank 0 holds the last step's tokens: it fills the ids and sends them to the other
+        ranks."""
         if self.tp.rank == 0:
             super().fill_placeholders(input_ids)
         self.tp.broadcast(input_ids)
 
 
 def _new_group(store: dist.Store, rank: int, size: int, device_type: str) -> dist.ProcessGroup:
-    """A process group of our own (not torch.distributed's global default): NCCL on cuda, else gloo."""
+    """A process group of our own (not torch.distributed's global default): NCCL on cuda, else
+    gloo."""
     kind = dist.ProcessGroup.BackendType.NCCL if device_type == "cuda" else dist.ProcessGroup.BackendType.GLOO
     if device_type == "cuda":
         backend = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
@@ -174,9 +176,9 @@ class Workers:
             time.sleep(0.01)
 
     def shutdown(self):
-        """Stop the workers: with a message if they wait for one, every rank then closing its groups at once (NCCL's
-        shutdown waits for all ranks); else by signal, the groups aborted (a worker in the middle of a step, or gone,
-        would never join a shutdown)."""
+        """Stop the workers: with a message if they wait for one, every rank then closing its groups
+        at once (NCCL's shutdown waits for all ranks); else by signal, the groups aborted (a worker
+        in the middle of a step, or gone, would never join a shutdown)."""
         group, self.group = self.group, None
         stopped = False
         if group is not None and group.idle:

@@ -42,7 +42,8 @@ class Stream:
 
     def report(self, seq: Sequence, final_text: str | None) -> tuple[str, list[int], int]:
         """(text, token ids, number of tokens reported before) for an output: everything so far with
-        output_kind "cumulative", only what is new with "delta". final_text: the ended sequence's."""
+        output_kind "cumulative", only what is new with "delta". final_text: the ended
+        sequence's."""
         end = len(seq.token_ids)
         while seq.token_ids[end - 1] < 0:  # a placeholder of a step in flight (run_ahead.py)
             end -= 1

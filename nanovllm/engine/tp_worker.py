@@ -18,7 +18,8 @@ from nanovllm.engine.distributed import STARTUP_TIMEOUT, TPModelRunner, join_gro
 
 
 def exit_with_parent(parent_pid: int):
-    """Die with the engine's process, even when it is killed while this rank waits in a collective."""
+    """Die with the engine's process, even when it is killed while this rank waits in a
+    collective."""
     while os.getppid() == parent_pid:
         time.sleep(1)
     os._exit(1)

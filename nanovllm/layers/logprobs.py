@@ -4,10 +4,12 @@ import torch
 
 
 def logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None]) -> list | None:
-    """For each row with a number m: {token: log-probability} of the chosen token and the m most likely ones.
+    """For each row with a number m: {token: log-probability} of the chosen token and the m most
+    likely ones.
 
-    They are the log-softmax of the raw logits, the model's own distribution (what vLLM reports and what beam
-    search scores), not of the temperature-scaled, truncated distribution the token was drawn from.
+    They are the log-softmax of the raw logits, the model's own distribution (what vLLM reports and
+    what beam search scores), not of the temperature-scaled, truncated distribution the token was
+    drawn from.
     """
     if all(m is None for m in num_logprobs):
         return None

@@ -18,7 +18,8 @@ from nanovllm.engine.run_ahead import fill_placeholders
 
 def apply(logits: torch.Tensor, rows: list, positions: list[int], eos_token_ids: set[int],
           last_tokens: torch.Tensor) -> torch.Tensor:
-    """logits [R, V] of sampled rows (sequence, sample index), each sampling the token at positions[i]."""
+    """logits [R, V] of sampled rows (sequence, sample index), each sampling the token at
+    positions[i]."""
     num_rows, vocab = logits.shape
     device = logits.device
     width = max(positions)

@@ -1,5 +1,5 @@
-"""Megatron-style tensor parallelism, applied to a built model (as gpt-fast applies it): each rank keeps
-its shard of every large weight, and the layers meet in collectives.
+"""Megatron-style tensor parallelism, applied to a built model (as gpt-fast applies it): each rank
+keeps its shard of every large weight, and the layers meet in collectives.
 
 - Column-parallel (qkv_proj, gate_up_proj): each rank holds a slice of the output features of each
   packed projection and needs no communication. The attention heads split with them; KV heads fewer
@@ -9,8 +9,8 @@ its shard of every large weight, and the layers meet in collectives.
 - Vocabulary-parallel (embed_tokens, lm_head): each rank holds a slice of the vocabulary; the
   embedding all-reduces (other ranks' tokens give 0), the head gathers the logits to rank 0.
 
-`shard_model` swaps the layers before the weights load, so each rank copies only its shard out of the
-checkpoint's tensors (through the layers' weight_loader).
+`shard_model` swaps the layers before the weights load, so each rank copies only its shard out of
+the checkpoint's tensors (through the layers' weight_loader).
 """
 import torch
 import torch.distributed as dist

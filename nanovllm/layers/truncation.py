@@ -1,6 +1,7 @@
-"""Truncated sampling: min-p, top-k and top-p (nucleus), applied in that order as vLLM does, so top-p
-counts probability among the tokens that min-p and top-k left. The model runner builds a Truncation
-only for batches where some request asks for one; the others sample from the full distribution."""
+"""Truncated sampling: min-p, top-k and top-p (nucleus), applied in that order as vLLM does, so
+top-p counts probability among the tokens that min-p and top-k left. The model runner builds a
+Truncation only for batches where some request asks for one; the others sample from the full
+distribution."""
 from dataclasses import dataclass
 
 import torch

