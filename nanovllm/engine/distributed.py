@@ -19,6 +19,7 @@ import pickle
 import subprocess
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -138,6 +139,18 @@ def join_group(store: dist.Store, rank: int, size: int, device_type: str) -> TPG
     cpu_group = _new_group(dist.PrefixStore("cpu", store), rank, size, "cpu")
     device_group = _new_group(dist.PrefixStore("device", store), rank, size, device_type)
     return TPGroup(rank, size, device_group, cpu_group)
+
+
+def start_workers(engine) -> TPModelRunner:
+    """Rank 0's model runner, once ranks 1..N-1 run (each a process of its own). The engine's
+    `shutdown()`, the engine being collected or the program's exit stop them."""
+    engine.workers = Workers(engine.config)
+    engine.stop_workers = weakref.finalize(engine, engine.workers.shutdown)
+    try:
+        return TPModelRunner(engine.config, engine.workers.group)
+    except BaseException:
+        engine.stop_workers()
+        raise
 
 
 class Workers:

@@ -10,7 +10,6 @@ leaving a `with LLM(...)` block, or the engine being collected, or the program's
 """
 import gc
 import time
-import weakref
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
@@ -27,21 +26,13 @@ from nanovllm.sampling_params import SamplingParams
 class LLMEngine:
     def __init__(self, model: str, **options):
         self.config = config = Config.from_options(model, **options)
-        self.tokenizer = None
-        if not config.skip_tokenizer_init:
-            self.tokenizer = load_tokenizer(model)
-        self.workers = self._stop_workers = None
-        try:
-            if config.tensor_parallel_size > 1:
-                from nanovllm.engine.distributed import TPModelRunner, Workers
-                self.workers = Workers(config)  # ranks 1..N-1, each in a process of its own
-                self._stop_workers = weakref.finalize(self, self.workers.shutdown)  # also at exit
-                self.model_runner = TPModelRunner(config, self.workers.group)
-            else:
-                self.model_runner = ModelRunner(config)
-        except BaseException:
-            self.shutdown()
-            raise
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(model)
+        self.stop_workers = None  # tensor parallelism's worker processes, while they run
+        if config.tensor_parallel_size > 1:
+            from nanovllm.engine.distributed import start_workers
+            self.model_runner = start_workers(self)
+        else:
+            self.model_runner = ModelRunner(config)
         num_blocks = self.model_runner.kv_cache.shape[2]
         block_size, caching = config.kvcache_block_size, config.enable_prefix_caching
         self.block_manager = BlockManager(num_blocks, block_size, caching)
@@ -63,8 +54,8 @@ class LLMEngine:
     def shutdown(self):
         """Stop the tensor-parallel workers and free the model, its KV cache and the rendezvous
         port."""
-        if self._stop_workers is not None:
-            self._stop_workers()  # runs Workers.shutdown once
+        if self.stop_workers is not None:
+            self.stop_workers()  # runs Workers.shutdown once
         self.model_runner = self.in_flight = None
         gc.collect()  # the model's modules hold reference cycles: free their memory now
 

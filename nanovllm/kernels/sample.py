@@ -1,13 +1,15 @@
-"""Sampling on the GPU: softmax(logits / T) sampled exactly, reading the logits once and making few random numbers.
+"""Sampling on the GPU: softmax(logits / T) sampled exactly, reading the logits once and making few
+random numbers.
 
-The vocabulary is cut into chunks. A first pass computes, per (row, chunk), the chunk's largest scaled logit m
-and sum s of exp(logit / T - m) (and its argmax, for greedy rows): the chunk's share of the row's probability is
-exp(m) * s / Z. A second pass, one program per row, draws a chunk with the Gumbel-max trick over those shares
-(argmax(log share + g), g = -log(-log u), u ~ U[0, 1)), then a token inside it the same way, so token i is
-drawn with probability (Z_chunk / Z) * (exp(logit_i / T) / Z_chunk). The first pass, which reads everything, has
-no random numbers to make; the second makes one per chunk and one per token of a single chunk (and rereads that
-chunk). Rows with T = 0 take the argmax. On an H200, 256 rows of Qwen3's 151,936 logits: 51 us, where one Gumbel
-number per logit took 170 us (the random numbers, not the memory, bounded it).
+The vocabulary is cut into chunks. A first pass computes, per (row, chunk), the chunk's largest
+scaled logit m and sum s of exp(logit / T - m) (and its argmax, for greedy rows): the chunk's share
+of the row's probability is exp(m) * s / Z. A second pass, one program per row, draws a chunk with
+the Gumbel-max trick over those shares (argmax(log share + g), g = -log(-log u), u ~ U[0, 1)), then
+a token inside it the same way, so token i is drawn with probability (Z_chunk / Z) * (exp(logit_i /
+T) / Z_chunk). The first pass, which reads everything, has no random numbers to make; the second
+makes one per chunk and one per token of a single chunk (and rereads that chunk). Rows with T = 0
+take the argmax. On an H200, 256 rows of Qwen3's 151,936 logits: 51 us, where one Gumbel number per
+logit took 170 us (the random numbers, not the memory, bounded it).
 """
 import torch
 import triton
@@ -52,8 +54,9 @@ def _pick_kernel(logits_ptr, temperatures_ptr, max_ptr, sum_ptr, argmax_ptr, tok
 
 
 def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, block: int = 2048) -> torch.Tensor:
-    """One token per row of logits [B, vocab] (any float dtype): sampled at temperatures [B] float32, argmax
-    where the temperature is 0. `seed` keys the noise: the same seed draws the same tokens."""
+    """One token per row of logits [B, vocab] (any float dtype): sampled at temperatures [B]
+    float32, argmax where the temperature is 0. `seed` keys the noise: the same seed draws the same
+    tokens."""
     rows, vocab = logits.shape
     assert logits.stride(-1) == 1 and temperatures.shape == (rows,)
     chunks = triton.cdiv(vocab, block)
