@@ -56,6 +56,9 @@ class LLMEngine:
         port."""
         if self.stop_workers is not None:
             self.stop_workers()  # runs Workers.shutdown once
+        if self.model_runner is not None:  # free the pools now, even if the model outlives us
+            self.model_runner.graphs = None
+            self.model_runner.kv_cache.allocate(0)
         self.model_runner = self.in_flight = None
         gc.collect()  # the model's modules hold reference cycles: free their memory now
 
