@@ -51,7 +51,8 @@ class PiecewiseGraph:
 
     def __init__(self, model, inputs: tuple, attns: list, q: torch.Tensor, out: torch.Tensor, pool):
         self.q, self.out, self.pool = q, out, pool
-        self.graphs, self.layers = [], []  # (attention layer, its backend) after each graph but the last
+        # layers: (attention layer, its backend) after each graph but the last
+        self.graphs, self.layers = [], []
         backends = [attn.backend for attn in attns]
         for attn in attns:
             attn.backend = self  # the stand-in that cuts (see forward)
@@ -98,22 +99,26 @@ class CUDAGraphs:
         config = runner.config
         max_tokens, max_seqs = config.max_num_batched_tokens, config.max_num_seqs
         largest_batch = min(max_seqs, max_tokens)
-        self.decode_sizes = sorted({s for s in (1, 2, 4, 8, *range(16, largest_batch, 16)) if s < largest_batch}
-                                   | {largest_batch})
+        ladder = (1, 2, 4, 8, *range(16, largest_batch, 16))
+        self.decode_sizes = sorted({s for s in ladder if s < largest_batch} | {largest_batch})
         self.token_sizes = token_ladder(max_tokens)
         support = runner.backend.cudagraph_support
-        if support != "always":  # where the pieces hand queries to attention and take its output back
+        # where the pieces hand queries to attention and take its output back
+        if support != "always":
             q = torch.empty(max_tokens, runner.backend.num_heads, config.hf_config["head_dim"],
                             dtype=config.torch_dtype, device=runner.device)
             out = torch.empty_like(q)
         self.graphs = {}
         pool = torch.cuda.graph_pool_handle()
         start, memory = time.perf_counter(), torch.cuda.memory_reserved(runner.device)
-        shapes = [("mixed", t) for t in self.token_sizes] + [("decode", s) for s in self.decode_sizes]
+        shapes = ([("mixed", t) for t in self.token_sizes]
+                  + [("decode", s) for s in self.decode_sizes])
         for kind, size in sorted(shapes, key=lambda shape: -shape[1]):
             sizes = self.sizes(kind, size, max_seqs, runner.max_blocks)
-            # the step's fields at fixed addresses, then room for its sampled rows (ModelRunner.upload)
-            inputs = torch.zeros(sum(field_sizes(*sizes)) + max_seqs, dtype=torch.int32, device=runner.device)
+            # the step's fields at fixed addresses, then room for its sampled rows
+            # (ModelRunner.upload)
+            inputs = torch.zeros(sum(field_sizes(*sizes)) + max_seqs, dtype=torch.int32,
+                                 device=runner.device)
             args = unpack(inputs, sizes, sizes, num_decodes=sizes[1])
             whole = support == "always" or (support == "decode" and kind == "decode")
             graph = (FullGraph(runner.model, args, pool) if whole else
@@ -136,5 +141,7 @@ class CUDAGraphs:
     def find(self, step):
         """The graph a step runs in: the smallest of its kind that holds it."""
         if step.num_decodes == len(step.context_lens):
-            return self.graphs["decode", next(s for s in self.decode_sizes if s >= step.num_decodes)]
-        return self.graphs["mixed", next(s for s in self.token_sizes if s >= len(step.input_ids))]
+            size = next(s for s in self.decode_sizes if s >= step.num_decodes)
+            return self.graphs["decode", size]
+        size = next(s for s in self.token_sizes if s >= len(step.input_ids))
+        return self.graphs["mixed", size]

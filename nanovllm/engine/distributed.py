@@ -42,8 +42,10 @@ class TPGroup:
     size: int
     device_group: dist.ProcessGroup  # NCCL on cuda, gloo on cpu: the model's all-reduces and gather
     cpu_group: dist.ProcessGroup     # gloo: rank 0's message of each step
-    idle: bool = False               # (rank 0) the workers are waiting for a step, so a message can reach them
-    graphs: dict = field(default_factory=dict)  # this rank's CUDA graphs, which captured device_group collectives
+    # (rank 0) the workers are waiting for a step, so a message can reach them
+    idle: bool = False
+    # this rank's CUDA graphs, which captured device_group collectives
+    graphs: dict = field(default_factory=dict)
 
     def send_step(self, step):
         """Rank 0: hand the workers the next forward pass (None: stop)."""
@@ -122,7 +124,8 @@ class TPModelRunner(ModelRunner):
 def _new_group(store: dist.Store, rank: int, size: int, device_type: str) -> dist.ProcessGroup:
     """A process group of our own (not torch.distributed's global default): NCCL on cuda, else
     gloo."""
-    kind = dist.ProcessGroup.BackendType.NCCL if device_type == "cuda" else dist.ProcessGroup.BackendType.GLOO
+    backend_type = dist.ProcessGroup.BackendType
+    kind = backend_type.NCCL if device_type == "cuda" else backend_type.GLOO
     if device_type == "cuda":
         backend = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
         backend._set_sequence_number_for_group()
@@ -169,8 +172,9 @@ class Workers:
         self.group: TPGroup | None = None
         try:
             for rank in range(1, size):
-                self.procs.append(subprocess.Popen([sys.executable, "-m", "nanovllm.engine.tp_worker", str(rank),
-                                                    str(self.port), str(os.getpid())]))
+                cmd = [sys.executable, "-m", "nanovllm.engine.tp_worker", str(rank),
+                       str(self.port), str(os.getpid())]
+                self.procs.append(subprocess.Popen(cmd))
             self._wait_for_workers()
             self.group = join_group(self.store, 0, size, config.device)
         except BaseException:
@@ -183,9 +187,11 @@ class Workers:
         while self.store.add("started", 0) < len(self.procs):
             dead = [rank for rank, p in enumerate(self.procs, 1) if p.poll() is not None]
             if dead:
-                raise RuntimeError(f"tensor-parallel worker(s) of rank {dead} exited while starting; see their error above")
+                raise RuntimeError(f"tensor-parallel worker(s) of rank {dead} exited while "
+                                   "starting; see their error above")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT}")
+                raise RuntimeError("tensor-parallel workers did not start within "
+                                   f"{STARTUP_TIMEOUT}")
             time.sleep(0.01)
 
     def shutdown(self):
@@ -213,7 +219,8 @@ class Workers:
                 except subprocess.TimeoutExpired:
                     continue
         self.procs = []
-        self.store = None  # the port is free once the model's layers, which hold the groups, are gone too
+        # the port is free once the model's layers, which hold the groups, are gone too
+        self.store = None
 
 
 def share_cpu_cores(size: int):
@@ -226,12 +233,15 @@ def check_tensor_parallel(config):
     """Every rank needs a GPU of its own and an equal share of the heads and of the MLP."""
     tp, cfg = config.tensor_parallel_size, config.hf_config
     if config.device == "cuda" and tp > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size={tp} but only {torch.cuda.device_count()} GPU(s) are visible")
+        raise ValueError(f"tensor_parallel_size={tp} but only {torch.cuda.device_count()} GPU(s) "
+                         "are visible")
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     if heads % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={heads}")
-    if kv_heads % tp and tp % kv_heads:  # fewer KV heads than ranks: each is replicated on tp // kv_heads ranks
-        raise ValueError(f"tensor_parallel_size={tp} must divide num_key_value_heads={kv_heads} or be a "
-                         "multiple of it")
+    # fewer KV heads than ranks: each is replicated on tp // kv_heads ranks
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"tensor_parallel_size={tp} must divide num_key_value_heads={kv_heads} "
+                         "or be a multiple of it")
     if cfg["intermediate_size"] % tp:
-        raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size={cfg['intermediate_size']}")
+        raise ValueError(f"tensor_parallel_size={tp} must divide "
+                         f"intermediate_size={cfg['intermediate_size']}")

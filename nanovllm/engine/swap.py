@@ -97,7 +97,8 @@ class SwapSpace:
         block_bytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
         shape[2] = int(swap_space_gib * (1 << 30) // block_bytes)
         if shape[2] < 1:
-            raise ValueError(f"swap_space={swap_space_gib} GiB holds no KV block ({block_bytes} bytes)")
+            raise ValueError(f"swap_space={swap_space_gib} GiB holds no KV block "
+                             f"({block_bytes} bytes)")
         self.kv_cache = kv_cache
         self.cpu_cache = torch.zeros(shape, dtype=kv_cache.dtype, pin_memory=kv_cache.is_cuda)
         self.num_blocks = shape[2]

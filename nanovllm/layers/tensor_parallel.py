@@ -40,7 +40,8 @@ class ColumnParallel(Linear):
 class RowParallel(Linear):
     def __init__(self, full: Linear, group):
         self.group, self.rank = group, group.rank()
-        super().__init__(full.weight.size(1) // group.size(), full.weight.size(0), full.bias is not None)
+        super().__init__(full.weight.size(1) // group.size(), full.weight.size(0),
+                         full.bias is not None)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: int = 0):
         if param.dim() == 1:  # the bias: added once, on rank 0
@@ -72,7 +73,8 @@ class VocabEmbedding(VocabParallel):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         mask = (local >= 0) & (local < self.weight.size(0))
-        y = F.embedding(local * mask, self.weight) * mask.unsqueeze(-1)  # other ranks' tokens give 0
+        # other ranks' tokens give 0
+        y = F.embedding(local * mask, self.weight) * mask.unsqueeze(-1)
         dist.all_reduce(y, group=self.group)
         return y
 
@@ -96,7 +98,8 @@ def shard_model(model: nn.Module, group, num_kv_heads: int):
             module.qkv_proj = ColumnParallel(module.qkv_proj, group, [1, kv_replicas, kv_replicas])
             module.o_proj = RowParallel(module.o_proj, group)
             module.num_heads = module.attn.num_heads = heads_per_rank(module.num_heads, size)
-            module.num_kv_heads = module.attn.num_kv_heads = heads_per_rank(module.num_kv_heads, size)
+            kv_heads = heads_per_rank(module.num_kv_heads, size)
+            module.num_kv_heads = module.attn.num_kv_heads = kv_heads
         elif hasattr(module, "gate_up_proj"):
             module.gate_up_proj = ColumnParallel(module.gate_up_proj, group, [1, 1])
             module.down_proj = RowParallel(module.down_proj, group)
