@@ -32,9 +32,11 @@ def nano_vllm_requests(num_seqs: int = 256, max_input_len: int = 1024,
     """nano-vllm's bench.py workload, step for step: 256 random prompts and their sampling parameters
     (fewer and shorter with the arguments, for a laptop)."""
     seed(0)
-    prompts = [[randint(0, 10000) for _ in range(randint(100, max_input_len))] for _ in range(num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, max_output_len))
-              for _ in range(num_seqs)]
+    low_in, low_out = min(100, max_input_len), min(100, max_output_len)  # under 100: a laptop's run
+    prompts = [[randint(0, 10000) for _ in range(randint(low_in, max_input_len))]
+               for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True,
+                             max_tokens=randint(low_out, max_output_len)) for _ in range(num_seqs)]
     return prompts, params
 
 

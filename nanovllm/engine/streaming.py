@@ -51,7 +51,7 @@ class Stream:
         text = final_text
         if text is None:  # still running: hold back what may become a stop string
             text = self.extend(seq, end)
-            text = text[:len(text) - max(map(len, seq.params.stop), default=1) + 1]
+            text = text[:max(0, len(text) - max(map(len, seq.params.stop), default=1) + 1)]
         chars, tokens = (self.num_reported_chars, self.num_reported_tokens) \
             if seq.params.output_kind == "delta" else (0, 0)
         self.num_reported_chars, self.num_reported_tokens = len(text), end - seq.num_prompt_tokens
