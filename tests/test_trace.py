@@ -7,6 +7,7 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.trace import EVENT_ORDER, Trace, replay
+from nanovllm.viz import render_page
 from tests.trace_helpers import (
     DEMO_OPTIONS,
     SWAP_OPTIONS,
@@ -15,6 +16,7 @@ from tests.trace_helpers import (
     run_workload,
 )
 
+MARKER_START = '<script type="application/json" id="trace">'
 MODES = {"recompute": {}, "swap": SWAP_OPTIONS}
 
 
@@ -193,3 +195,18 @@ def test_no_open_trace_records_nothing_and_an_error_still_writes_it(tiny_path, t
     assert llm.abort_request(request_id)
     llm.generate([list(range(20))], SamplingParams(max_tokens=4), use_tqdm=False)  # untraced
     assert json.loads((tmp_path / "t.json").read_text()) == data
+
+
+def test_the_page_embeds_the_trace_as_inert_data(traced):
+    """Request ids and prompts can hold anything: in the page the trace is JSON that no `<` can
+    end, and it reads back equal."""
+    data = json.loads(json.dumps(traced["recompute"][0]))
+    hostile = "</script><script>alert(1)</script><!-- & \u2028"
+    data["seqs"]["0"]["request"] = data["seqs"]["0"]["prompt"] = hostile
+    page = render_page(data)
+    start = page.index(MARKER_START) + len(MARKER_START)
+    inside = page[start:page.index("</script>", start)]
+    assert "<" not in inside and ">" not in inside and "&" not in inside
+    assert json.loads(inside) == data
+    with pytest.raises(ValueError, match="not a nanovllm trace"):
+        render_page({"format": "something else"})
