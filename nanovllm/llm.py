@@ -87,3 +87,9 @@ class LLM(LLMEngine):
         Width 1 is greedy."""
         from nanovllm.engine.beam_search import beam_search
         return beam_search(self, prompts, beam_width, max_tokens, length_penalty)
+
+    def trace(self, path):
+        """A context manager that records every step into a JSON trace at `path`
+        (nanovllm/trace.py); `python -m nanovllm.viz` draws it."""
+        from nanovllm.trace import Trace
+        return Trace(self, path)

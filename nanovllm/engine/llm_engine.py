@@ -50,6 +50,7 @@ class LLMEngine:
         self.requests: dict[int | str, Sequence] = {}  # request id -> root sequence, until it ends
         self.in_flight: tuple[ScheduledBatch, SampledTokens] | None = None  # launched, not read yet
         self.held: list[RequestOutput] = []  # outputs a caller's generate() did not ask for
+        self.tracer = None  # a Trace (nanovllm/trace.py) while one is open: sees every step
 
     def shutdown(self):
         """Stop the tensor-parallel workers and free the model, its KV cache and the rendezvous
@@ -111,6 +112,8 @@ class LLMEngine:
         if self.scheduler.has_unfinished():
             batch = self.scheduler.schedule()
             if batch.seqs:
+                if self.tracer is not None:
+                    self.tracer.on_step(batch)
                 launched = batch, self.model_runner.run(batch)
                 self.output_processor.started(batch)
         previous, self.in_flight = self.in_flight, launched
