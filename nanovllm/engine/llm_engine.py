@@ -28,7 +28,7 @@ class LLMEngine:
         self.config = config = Config.from_options(model, **options)
         self.tokenizer = None
         if not config.skip_tokenizer_init:
-            self.tokenizer = load_tokenizer(model)
+            self.tokenizer = load_tokenizer(config.tokenizer or model)
         self.workers = self._stop_workers = None
         try:
             if config.tensor_parallel_size > 1:
