@@ -84,8 +84,8 @@ def test_streamed_prompts_and_samples_add_up(http):
     body = {"prompt": ["Once upon a time", "My favorite food is"], "n": 2, "seed": 3,
             "max_tokens": 10, "ignore_eos": True}
     whole = http.post("/v1/completions", json=body).json()
-    with http.stream("POST", "/v1/completions", json={**body, "stream": True,
-                                                      "stream_options": {"include_usage": True}}) as r:
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/completions", json=streamed) as r:
         events = sse_events(r)
     texts, ends = ["" for _ in range(4)], {}
     for event in events[:-1]:
@@ -183,7 +183,8 @@ def test_requests_that_cannot_fit_are_400_with_numbers(http):
     assert r.status_code == 400 and "512" in r.text  # more KV blocks than the whole cache
     assert r.json()["error"]["param"] == "max_tokens"
     r = http.post("/v1/completions", json={"prompt": [5] * 8, "max_tokens": 4, "n": 100})
-    assert r.status_code == 400 and "max_num_seqs=64" in r.text and r.json()["error"]["param"] == "n"
+    assert r.status_code == 400 and "max_num_seqs=64" in r.text
+    assert r.json()["error"]["param"] == "n"
     r = http.post("/v1/completions", json={"prompt": [49152, 3], "max_tokens": 4})
     assert r.status_code == 400 and "49152" in r.text  # outside the vocabulary
     r = http.post("/v1/completions", json={"prompt": "hi", "model": "gpt-4"})
@@ -234,7 +235,8 @@ def test_concurrent_clients_share_steps(server, client):
 
     def ask(i):
         out = client.completions.create(model="SmolLM2-135M-Instruct", prompt=f"Story {i}:",
-                                        temperature=0, max_tokens=16, extra_body={"ignore_eos": True})
+                                        temperature=0, max_tokens=16,
+                                        extra_body={"ignore_eos": True})
         texts[i] = out.choices[0].text
     watcher = threading.Thread(target=watch)
     watcher.start()

@@ -22,7 +22,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from nanovllm.serve.engine_thread import EngineFailure, EngineThread, merge
-from nanovllm.serve.protocol import APIError, chat_request, completion_request, parse_json
+from nanovllm.serve.protocol import (
+    APIError,
+    chat_request,
+    completion_request,
+    parse_json,
+)
 from nanovllm.serve.responses import DONE, Choices
 
 log = logging.getLogger("nanovllm.serve")
@@ -152,7 +157,7 @@ def chat_prompt(llm, messages: list[dict]) -> str:
     try:
         return llm.tokenizer.apply_chat_template(messages, tokenize=False,
                                                  add_generation_prompt=True)
-    except Exception as e:  # noqa: BLE001 (templates raise their own errors, e.g. roles out of order)
+    except Exception as e:  # noqa: BLE001 (templates raise their own, e.g. roles out of order)
         raise APIError(400, f"the chat template refused the messages: {str(e)[:200]}",
                        "messages") from None
 

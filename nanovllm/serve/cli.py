@@ -1,11 +1,12 @@
 """`python -m nanovllm.serve MODEL` (or `nanovllm serve MODEL`): the command line of the
 OpenAI-compatible server, as vLLM's `vllm serve`, and how it stops.
 
-Every engine option is a flag generated from Config (`--attn-backend triton`, `--no-enable-prefix-caching`),
-its help text taken from Config's own comments, so a new option needs no edit here. On SIGTERM or
-SIGINT the server stops accepting (new calls get 503), gives the calls in flight a grace period (a
-second signal cuts it short), aborts the rest (their blocks freed: streams end with finish_reason
-"abort" and [DONE], whole answers get 503), prints the engine's figures and exits with status 0.
+Every engine option is a flag generated from Config (`--attn-backend triton`,
+`--no-enable-prefix-caching`), its help text taken from Config's own comments, so a new option
+needs no edit here. On SIGTERM or SIGINT the server stops accepting (new calls get 503), gives the
+calls in flight a grace period (a second signal cuts it short), aborts the rest (their blocks
+freed: streams end with finish_reason "abort" and [DONE], whole answers get 503), prints the
+engine's figures and exits with status 0.
 """
 import argparse
 import asyncio
@@ -69,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--max-waiting-requests", type=int, default=1024,
                         help="beyond this many queued requests, new ones get 503 (default 1024)")
     server.add_argument("--grace-period", type=float, default=20.0,
-                        help="seconds the requests in flight get to finish when stopping (default 20)")
+                        help="seconds the requests in flight get to finish when stopping "
+                             "(default 20)")
     server.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     server.add_argument("--access-log", action="store_true", help="log every HTTP request")

@@ -133,7 +133,8 @@ class EngineThread:
             self.loop.call_soon_threadsafe(deliver, delivered)
 
     def fail_all(self, error: Exception):
-        failed = [(self.queues.pop(rid), error) for rid in list(self.llm.requests) if rid in self.queues]
+        failed = [(self.queues.pop(rid), error) for rid in list(self.llm.requests)
+                  if rid in self.queues]
         for request_id in list(self.llm.requests):
             self.llm.abort_request(request_id)
         self.llm.in_flight, self.llm.held = None, []  # what the failed step launched is dropped

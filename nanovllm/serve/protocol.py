@@ -17,7 +17,7 @@ SHORT.maxlevel, SHORT.maxstring, SHORT.maxother = 3, 60, 60
 
 
 class APIError(Exception):
-    """An OpenAI-style error: the HTTP status, its message, the error type and the field at fault."""
+    """An OpenAI-style error: the HTTP status, the message, the error type, the field at fault."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  type: str = "invalid_request_error", headers: dict | None = None):
@@ -87,11 +87,13 @@ COMPLETION = {
 }
 CHAT = {
     **SAMPLING,
-    "messages": (lambda v: isinstance(v, list) and 0 < len(v) <= 4096, "a non-empty list of messages"),
+    "messages": (lambda v: isinstance(v, list) and 0 < len(v) <= 4096,
+                 "a list of 1 to 4096 messages"),
     "max_completion_tokens": SAMPLING["max_tokens"],
     "logprobs": (lambda v: isinstance(v, bool), "true or false"),
     "top_logprobs": (lambda v: is_int(v) and 0 <= v <= 20, "an integer in [0, 20]"),
-    "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"} (the only format served)'),
+    "response_format": (lambda v: v == {"type": "text"},
+                        '{"type": "text"} (the only format served)'),
     "tool_choice": (lambda v: v == "none", '"none" (tools are not served)'),
     "parallel_tool_calls": (lambda v: isinstance(v, bool), "true or false"),
 }

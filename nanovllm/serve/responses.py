@@ -119,7 +119,7 @@ class Choices:
 
 
 def top(logprobs: dict[int, float], m: int) -> list[tuple[int, float]]:
-    """The m most likely tokens of a step (the engine also holds the chosen one, maybe less likely)."""
+    """The m most likely tokens of a step (the engine also holds the chosen one, if less likely)."""
     return sorted(logprobs.items(), key=lambda kv: -kv[1])[:m]
 
 
