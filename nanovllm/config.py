@@ -45,6 +45,7 @@ class Config:
     swap_space: float = 4.0              # GiB of CPU memory for swapped-out blocks
     kv_reservation: str | None = None    # Orca's reservations, not paging: engine/reservation.py
     skip_tokenizer_init: bool = False
+    tokenizer: str = ""                  # "": the model directory's; else a directory holding one
     seed: int = 0
     tensor_parallel_size: int = 1
     hf_config: dict | None = None        # filled in: the model's config.json

@@ -26,7 +26,8 @@ from nanovllm.sampling_params import SamplingParams
 class LLMEngine:
     def __init__(self, model: str, **options):
         self.config = config = Config.from_options(model, **options)
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(model)
+        tokenizer = config.tokenizer or model
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(tokenizer)
         self.stop_workers = None  # tensor parallelism's worker processes, while they run
         if config.tensor_parallel_size > 1:
             from nanovllm.engine.distributed import start_workers
