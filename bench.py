@@ -65,6 +65,15 @@ def decode_throughput(llm: LLM, batch: int, length: int) -> float:
     return (llm.output_processor.num_generation_tokens - first) / (time.perf_counter() - start)
 
 
+def print_graphs(llm, backend: str):
+    """What the CUDA graphs cost (a function: no reference to them may outlive the engine, as
+    they hold views of its KV cache)."""
+    graphs = getattr(llm.model_runner, "graphs", None)
+    if hasattr(graphs, "capture_seconds"):
+        print(f"{backend}: {len(graphs.graphs)} CUDA graphs captured in "
+              f"{graphs.capture_seconds:.1f} s, {graphs.capture_bytes / 2**30:.2f} GiB", flush=True)
+
+
 def release(llm):
     llm.shutdown()  # stops tensor-parallel workers too, freeing their GPUs
     gc.collect()
@@ -96,10 +105,7 @@ def main():
     for backend in args.attn_backend:
         if not args.table:
             llm = make_llm(args, backend, max_model_len=4096)
-            graphs = getattr(llm.model_runner, "graphs", None)
-            if hasattr(graphs, "capture_seconds"):
-                print(f"{backend}: {len(graphs.graphs)} CUDA graphs captured in {graphs.capture_seconds:.1f} s, "
-                      f"{graphs.capture_bytes / 2**30:.2f} GiB", flush=True)
+            print_graphs(llm, backend)
             tokens, seconds = nano_vllm_workload(llm, args)
             rows.append(f"| {backend} | {tokens} | {seconds:.2f} | {tokens / seconds:,.0f} |")
         else:
