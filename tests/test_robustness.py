@@ -426,8 +426,8 @@ def break_weights(path: str, how: str):
     name = "model.layers.1.mlp.down_proj.weight"
     if how == "wrong shape":
         tensors[name] = tensors[name].t().contiguous()
-    else:  # NaN
-        tensors[name][3, 5] = float("nan")
+    else:  # NaN or inf
+        tensors[name][3, 5] = float(how)
     save_file(tensors, file, metadata={"format": "pt"})
     return name
 
@@ -436,7 +436,8 @@ def break_weights(path: str, how: str):
     ("truncated", "does not read as safetensors"),
     ("wrong shape", ("of shape [128, 64] does not fit model.layers.1.mlp.down_proj.weight of "
                      "shape [64, 128]")),
-    ("NaN", "holds NaN or inf"),
+    ("nan", "holds NaN or inf"),
+    ("-inf", "holds NaN or inf"),
 ])
 def test_broken_checkpoint_names_file_and_tensor(tiny_path, tmp_path, how, message):
     """Before: errors from safetensors or torch.copy_ that named neither the file nor the tensor,
