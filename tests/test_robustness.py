@@ -297,6 +297,46 @@ def test_stream_stopped_early_aborts_its_requests(tiny):
     assert_empty(tiny)
 
 
+def test_aborting_a_streamed_request_ends_its_part_of_the_stream(tiny, monkeypatch):
+    """The caller aborts one of two streamed requests at its first output: the stream goes on
+    with the other and ends. Before: llm.stream stepped an idle engine forever, waiting for the
+    aborted request's last output."""
+    prompts = random_prompts(2, (10, 30), seed=86)
+    expected = [o.outputs[0].token_ids for o in tiny.generate(prompts, GREEDY, use_tqdm=False)]
+    step, calls = tiny.step, count(1)
+
+    def bounded():
+        assert next(calls) < 100, "the stream did not end"
+        return step()
+    monkeypatch.setattr(tiny, "step", bounded)
+    outputs = []
+    for out in tiny.stream(prompts, GREEDY):
+        if not outputs:
+            assert tiny.abort_request(out.request_id)
+        outputs.append(out)
+    aborted, *others = [o.request_id for o in outputs]
+    assert len(set(others)) == 1 and aborted not in others and len(others) == GREEDY.max_tokens
+    assert outputs[-1].finished
+    assert outputs[-1].outputs[0].token_ids == expected[int(others[0] > aborted)]
+    assert_empty(tiny)
+
+
+def test_a_stream_paused_while_a_generate_runs_gets_all_its_outputs(tiny):
+    """A generate runs while a stream waits at its first output: the streamed requests end during
+    the generate, and the stream, resumed, still yields their outputs up to the last."""
+    prompts = random_prompts(3, (10, 30), seed=87)
+    expected = [o.outputs[0].token_ids for o in tiny.generate(prompts[:2], GREEDY, use_tqdm=False)]
+    stream = tiny.stream(prompts[:2], GREEDY)
+    outputs = [next(stream)]
+    longer = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    tiny.generate(prompts[2:], longer, use_tqdm=False)
+    outputs += stream
+    finals = sorted((o for o in outputs if o.finished), key=lambda o: o.request_id)
+    assert len(finals) == 2 and [o.outputs[0].token_ids for o in finals] == expected
+    assert len(outputs) == 2 * GREEDY.max_tokens
+    assert_empty(tiny)
+
+
 # 3. requests queued before a generate ----------------------------------------------------------
 
 @pytest.mark.parametrize("driver", ["generate", "beam_search", "stream"])
