@@ -116,6 +116,30 @@ def test_requests_end_exactly_at_max_model_len(short_path, tiny, max_model_len):
     assert_empty(llm)
 
 
+def test_a_step_that_swaps_out_all_it_had_still_moves_the_blocks(short_path, tiny):
+    """A 63-token prompt takes the last four free blocks of eight while two samples of a 62-token
+    prompt need a copy-on-write block: the step swaps out their group and has nothing else to run.
+    Its swap-out must still run. Before: a step without sequences was never launched, so the
+    group's blocks reached the CPU pool unwritten, and the second sample's next token came from
+    a zeroed cache (tokens [471, 462] instead of [471, 162])."""
+    llm = make_llm(short_path, num_kvcache_blocks=8, preemption_mode="swap", swap_space=0.001)
+    moves_only, schedule = [], llm.scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        moves_only.append(not batch.seqs and bool(batch.swap_out))
+        return batch
+    llm.scheduler.schedule = recording
+    prompts = [random_prompts(1, (n, n), seed=n)[0] for n in (63, 62)]
+    params = [GREEDY, SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=8)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert any(moves_only) and llm.get_stats()["num_swapped_out"] == 1
+    for out, ref in zip(outputs, tiny.generate(prompts, params, use_tqdm=False)):
+        for sample, expected in zip(out.outputs, ref.outputs):
+            assert sample.token_ids == expected.token_ids[:len(sample.token_ids)]
+    assert_empty(llm)
+
+
 def test_samples_and_beams_end_at_max_model_len(short_path):
     """Parallel samples and beams of a prompt one token short of max_model_len = 64: one token
     each, finish_reason "length" (before: the run-ahead step read rotary position 64)."""
