@@ -90,7 +90,8 @@ def main():
           + ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())))
     print(f"wrote {args.out}.json and {args.out}.html (open it in a browser)")
     if args.screenshots:
-        from tests.browser import take_screenshots  # the repository's tests: selenium, Chromium
+        # the repository's tests drive Chromium through selenium
+        from tests.browser import take_screenshots
         for path in take_screenshots(args.out + ".html", trace.data, args.screenshots):
             print("wrote", path)
 
