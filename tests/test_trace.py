@@ -202,8 +202,8 @@ def test_the_page_embeds_the_trace_as_inert_data(traced):
     end, and it reads back equal."""
     data = json.loads(json.dumps(traced["recompute"][0]))
     hostile = "</script><script>alert(1)</script><!-- & \u2028"
-    first = next(iter(data["seqs"].values()))
-    first["request"] = first["prompt"] = hostile
+    first = next(iter(data["seqs"]))  # sequence ids count on across the test session
+    data["seqs"][first]["request"] = data["seqs"][first]["prompt"] = hostile
     page = render_page(data)
     start = page.index(MARKER_START) + len(MARKER_START)
     inside = page[start:page.index("</script>", start)]

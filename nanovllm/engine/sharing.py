@@ -16,7 +16,8 @@ def fork(parent: Sequence, block_manager: BlockManager) -> Sequence:
     """A new member of the parent's group that shares all its blocks."""
     child = copy(parent)
     child.seq_id, child.sample_index = next(Sequence._ids), len(parent.group)
-    child.token_ids, child.logprobs, child.stream = list(parent.token_ids), list(parent.logprobs), None
+    child.token_ids, child.logprobs = list(parent.token_ids), list(parent.logprobs)
+    child.stream = None
     for block_id in parent.block_table:
         block_manager.blocks[block_id].ref_count += 1
     child.block_table = list(parent.block_table)
