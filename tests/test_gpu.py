@@ -108,7 +108,7 @@ def test_shutdown_frees_the_gpu_for_the_next_engine(qwen3_dir):
     blocks = []
     for backend in ["triton"] + BACKENDS[2:] + ["triton"]:  # flash (piecewise graphs) if installed
         llm = LLM(qwen3_dir, attn_backend=backend, skip_tokenizer_init=True, max_model_len=2048,
-                  gpu_memory_utilization=0.5)
+                  gpu_memory_utilization=0.5, dtype="bfloat16")
         llm.generate([[1] * 300] * 8, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
         blocks.append(llm.model_runner.kv_cache.shape[2])
         llm.shutdown()
