@@ -70,12 +70,15 @@ def main():
     parser.add_argument("--screenshots", metavar="DIR",
                         help="PNGs of key steps, taken in headless Chromium")
     args = parser.parse_args()
-    start = time.perf_counter()
+    import torch
+    torch.set_num_threads(1)  # a tiny model: one thread beats several that spin-wait
     with tempfile.TemporaryDirectory() as model_dir:
         options = {**DEMO_OPTIONS, **(SWAP_OPTIONS if args.swap else {})}
         llm = LLM(tiny_qwen3(model_dir), **options)
+        start = time.perf_counter()
         with llm.trace(args.out + ".json") as trace:
             run_workload(llm)
+        seconds = time.perf_counter() - start
     from nanovllm.viz import write_page
     write_page(args.out + ".json", args.out + ".html")
     steps = trace.data["steps"]
@@ -83,11 +86,12 @@ def main():
     for entry in steps:
         for event in entry["events"]:
             kinds[event[0]] = kinds.get(event[0], 0) + 1
-    print(f"{len(steps)} steps traced in {time.perf_counter() - start:.1f} s: "
+    print(f"{len(steps)} steps traced in {seconds:.1f} s: "
           + ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())))
     print(f"wrote {args.out}.json and {args.out}.html (open it in a browser)")
     if args.screenshots:
-        from nanovllm.viz.screenshots import take_screenshots
+        # the repository's tests drive Chromium through selenium
+        from tests.browser import take_screenshots
         for path in take_screenshots(args.out + ".html", trace.data, args.screenshots):
             print("wrote", path)
 
