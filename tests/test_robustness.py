@@ -591,8 +591,8 @@ def test_triton_on_cpu_without_interpreter_is_refused_at_build(tiny_path):
 
 
 def test_cpu_bench_command_runs():
-    """The README's CPU benchmark. Before: prompts of randint(100, --max-input-len) tokens, an empty
-    range below 100 (ValueError: empty range for randrange())."""
+    """The README's CPU benchmark, smaller. Before: prompts of randint(100, --max-input-len)
+    tokens, an empty range below 100 (ValueError: empty range for randrange())."""
     command = [sys.executable, "bench.py", "--attn-backend", "sdpa", "--arch", "SmolLM2-135M",
                "--num-seqs", "4", "--max-input-len", "32", "--max-output-len", "8"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread: a small model on shared cores
