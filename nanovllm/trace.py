@@ -29,8 +29,10 @@ The file (JSON, one object):
       cpu_tables the same for swapped-out sequences' tables of CPU blocks
       events     [[kind, block or null, seq id or null, extra]], in this order of kinds:
                    finish   a sequence ended; extra: its finish reason ("pruned": a beam let go)
-                   preempt  extra: "recompute" (its blocks freed) or "swap"
-                   free     a table let go of the block; extra: the block's reference count after
+                   preempt  one per sequence of the preempted group; extra: "recompute" (its
+                            blocks freed) or "swap"
+                   free     a table let go of the block; extra: the block's reference count
+                            after the step
                    swap_out the block moved to the CPU pool; extra: its CPU block
                    swap_in  a CPU block came back; extra: the CPU block
                    fork     a sequence forked; extra: its parent (seq-level, block null)
