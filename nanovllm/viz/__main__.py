@@ -13,7 +13,7 @@ def main():
     output = args.output or os.path.splitext(args.trace)[0] + ".html"
     try:
         write_page(args.trace, output)
-    except (OSError, ValueError) as e:  # a missing file, or one that is not a trace (JSON errors too)
+    except (OSError, ValueError) as e:  # a missing file, or not a trace (JSON errors too)
         parser.error(str(e))
     print(f"wrote {output}")
 
