@@ -211,3 +211,19 @@ def test_the_page_embeds_the_trace_as_inert_data(traced):
     assert json.loads(inside) == data
     with pytest.raises(ValueError, match="not a nanovllm trace"):
         render_page({"format": "something else"})
+
+
+def test_the_demo_writes_a_trace_and_its_page(tmp_path, monkeypatch, capsys):
+    from benchmarks import trace_demo
+    monkeypatch.setattr("sys.argv", ["trace_demo.py", "--out", str(tmp_path / "demo")])
+    trace_demo.main()
+    data = json.loads((tmp_path / "demo.json").read_text())
+    kinds = {e[0] for entry in all_entries(data) for e in entry["events"]}
+    assert {"hit", "fork", "cow", "preempt"} <= kinds  # what the demo is there to show
+    assert any(info["beam"] for info in data["seqs"].values())
+    page = (tmp_path / "demo.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and json.loads(
+        page.split(MARKER_START)[1].split("</script>")[0]) == data
+    for fetch in ("http", "src=", "<link", "import(", "fetch("):  # no network: nothing to fetch
+        assert fetch not in page
+    assert f"{len(data['steps'])} steps traced" in capsys.readouterr().out
