@@ -292,6 +292,14 @@ def test_engine_flags_come_from_config():
         build_parser().parse_args(["m", "--attn-backend", "nope"])
 
 
+def test_console_command():
+    from nanovllm.cli import main
+    assert main([]) == 2 and main(["generate"]) == 2
+    with pytest.raises(SystemExit) as exit:
+        main(["serve", "--help"])
+    assert exit.value.code == 0
+
+
 def test_no_key_warning():
     from nanovllm.serve.cli import exposed_without_key
     assert exposed_without_key("0.0.0.0", None) and exposed_without_key("::", "")
