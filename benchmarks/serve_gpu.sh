@@ -14,6 +14,6 @@ stream_flag=""; [ "$mode" = whole ] && stream_flag="--no-stream"
 server="benchmarks/Qwen3-0.6B --load-format dummy --tokenizer .smol --attn-backend triton"
 server="$server --max-model-len 2048 --max-num-seqs 512 --max-waiting-requests 2048"
 timeout 540 python3 benchmarks/load_http.py --server "$server" --rate 8 32 128 inf \
-  --num-requests 500 --deadline 110 $stream_flag --json "$out/load_$mode.json" \
+  --num-requests 500 --deadline 100 $stream_flag --json "$out/load_$mode.json" \
   > "$out/load_$mode.log" 2>&1
 echo "exit status $?" >> "$out/load_$mode.log"
