@@ -32,9 +32,11 @@ def nano_vllm_requests(num_seqs: int = 256, max_input_len: int = 1024,
     """nano-vllm's bench.py workload, step for step: 256 random prompts and their sampling parameters
     (fewer and shorter with the arguments, for a laptop)."""
     seed(0)
-    prompts = [[randint(0, 10000) for _ in range(randint(100, max_input_len))] for _ in range(num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, max_output_len))
-              for _ in range(num_seqs)]
+    low_in, low_out = min(100, max_input_len), min(100, max_output_len)  # under 100: a laptop's run
+    prompts = [[randint(0, 10000) for _ in range(randint(low_in, max_input_len))]
+               for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True,
+                             max_tokens=randint(low_out, max_output_len)) for _ in range(num_seqs)]
     return prompts, params
 
 
@@ -61,6 +63,15 @@ def decode_throughput(llm: LLM, batch: int, length: int) -> float:
     while not llm.is_finished():
         llm.step()
     return (llm.output_processor.num_generation_tokens - first) / (time.perf_counter() - start)
+
+
+def print_graphs(llm, backend: str):
+    """What the CUDA graphs cost (a function: no reference to them may outlive the engine, as
+    they hold views of its KV cache)."""
+    graphs = getattr(llm.model_runner, "graphs", None)
+    if hasattr(graphs, "capture_seconds"):
+        print(f"{backend}: {len(graphs.graphs)} CUDA graphs captured in "
+              f"{graphs.capture_seconds:.1f} s, {graphs.capture_bytes / 2**30:.2f} GiB", flush=True)
 
 
 def release(llm):
@@ -94,10 +105,7 @@ def main():
     for backend in args.attn_backend:
         if not args.table:
             llm = make_llm(args, backend, max_model_len=4096)
-            graphs = getattr(llm.model_runner, "graphs", None)
-            if hasattr(graphs, "capture_seconds"):
-                print(f"{backend}: {len(graphs.graphs)} CUDA graphs captured in {graphs.capture_seconds:.1f} s, "
-                      f"{graphs.capture_bytes / 2**30:.2f} GiB", flush=True)
+            print_graphs(llm, backend)
             tokens, seconds = nano_vllm_workload(llm, args)
             rows.append(f"| {backend} | {tokens} | {seconds:.2f} | {tokens / seconds:,.0f} |")
         else:
