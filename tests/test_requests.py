@@ -4,7 +4,8 @@ incremental detokenization (multi-byte characters, stop strings), llm.chat, per-
 llm.get_stats() and the progress bar's rates. Before these, generate returned dicts, step()
 returned only finished requests, and none of stream, chat, metrics or get_stats existed.
 """
-from itertools import pairwise
+import random
+from itertools import accumulate, pairwise
 from types import SimpleNamespace
 
 import pytest
@@ -151,6 +152,49 @@ def test_delta_text_of_multibyte_characters(llm, japanese):
     assert not any("\ufffd" in piece for piece in pieces)
 
 
+def test_a_multibyte_stop_string(llm, japanese):
+    """A stop string of kana, each character two tokens: the streamed text never holds half a
+    character or a part of the stop string, and ends before the stop string."""
+    free, = llm.generate([japanese], greedy(), use_tqdm=False)
+    text = free.outputs[0].text
+    stop = text[3:5]
+    assert all(ord(c) > 0x3000 for c in stop)
+    streamed = llm.stream([japanese], greedy(stop=[stop], output_kind="delta"))
+    pieces = [out.outputs[0].text for out in streamed]
+    assert "".join(pieces) == text[:text.index(stop)]
+    assert not any("\ufffd" in piece for piece in pieces)
+
+
+def test_delta_samples_and_logprobs(tiny):
+    """n = 2 samples streamed as deltas: each sample's tokens and log-probabilities add up to what
+    a generate of the same seeded request returns."""
+    prompt = random_prompts(1, (12, 12), seed=85)[0]
+    params = {"n": 2, "temperature": 1.0, "seed": 9, "max_tokens": 10, "ignore_eos": True,
+              "logprobs": 2}
+    expected, = tiny.generate([prompt], SamplingParams(**params), use_tqdm=False)
+    streamed = list(tiny.stream([prompt], SamplingParams(**params, output_kind="delta")))
+    for index, ref in enumerate(expected.outputs):
+        pieces = [out.outputs[index] for out in streamed]
+        assert [t for p in pieces for t in p.token_ids] == ref.token_ids
+        assert [lp for p in pieces for lp in p.logprobs] == ref.logprobs
+        assert pieces[-1].cumulative_logprob == pytest.approx(ref.cumulative_logprob)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_streaming_through_preemption(tiny_path, tiny, mode):
+    """Requests preempted on the way (recomputed, or swapped out and back) report one more token
+    at each output, never one twice, and end with the tokens of an unconstrained run."""
+    llm = make_llm(tiny_path, num_kvcache_blocks=8, preemption_mode=mode, swap_space=0.001)
+    prompts = random_prompts(6, (10, 50), seed=40)
+    params = greedy(max_tokens=40, ignore_eos=True)
+    expected = tiny.generate(prompts, params, use_tqdm=False)
+    streamed = by_request(llm.stream(prompts, params))
+    assert llm.get_stats()["num_preemptions"] > 0
+    for outputs, ref in zip(streamed.values(), expected):
+        assert [len(o.outputs[0].token_ids) for o in outputs] == list(range(1, 41))
+        assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == ref.outputs[0].token_ids
+
+
 def test_stream_class_on_an_emoji_split_over_tokens(llm):
     """Stream alone, fed an emoji of two tokens at a time between ASCII words, one token a step."""
     decode = llm.output_processor.decode
@@ -186,6 +230,26 @@ def test_a_stop_string_is_never_partly_emitted(llm, france, output_kind):
         assert final.startswith(streamed) and streamed.startswith(before), streamed
     assert streamed == final and outputs[-1].finished and outputs[-1].outputs[0].stop_reason == stop
     assert len(outputs) > 3  # it streamed
+
+
+@pytest.mark.parametrize("output_kind", ["delta", "cumulative"])
+def test_stop_strings_cut_anywhere_in_the_text(llm, output_kind):
+    """Stop strings of 1 to 14 characters taken at random places of a greedy answer, streamed in
+    one batch: each request's streamed text adds up to (or grows into) the text before the first
+    occurrence of its stop string."""
+    prompt = chat(llm.tokenizer, "Name three colors of the rainbow.")
+    text = llm.generate([prompt], greedy(max_tokens=40), use_tqdm=False)[0].outputs[0].text
+    rng = random.Random(0)
+    starts_and_lengths = [(rng.randrange(len(text) - 14), rng.randint(1, 14)) for _ in range(10)]
+    stops = [text[i:i + n] for i, n in starts_and_lengths]
+    params = [greedy(max_tokens=40, stop=[stop], output_kind=output_kind) for stop in stops]
+    streamed = by_request(llm.stream([prompt] * len(stops), params))
+    for stop, outputs in zip(stops, streamed.values()):
+        texts = [out.outputs[0].text for out in outputs]
+        if output_kind == "delta":
+            texts = list(accumulate(texts))
+        assert all(b.startswith(a) for a, b in pairwise(texts))
+        assert texts[-1] == text[:text.index(stop)] and outputs[-1].outputs[0].stop_reason == stop
 
 
 def test_llm_stream_yields_growing_outputs_ending_finished(llm, france, japanese):

@@ -115,6 +115,20 @@ def test_requests_end_exactly_at_max_model_len(short_path, tiny, max_model_len):
     assert_empty(llm)
 
 
+def test_samples_and_beams_end_at_max_model_len(short_path):
+    """Parallel samples and beams of a prompt one token short of max_model_len = 64: one token
+    each, finish_reason "length" (before: the run-ahead step read rotary position 64)."""
+    llm = make_llm(short_path)
+    prompt = random_prompts(1, (63, 63), seed=64)[0]
+    out, = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=8),
+                        use_tqdm=False)
+    assert [len(s.token_ids) for s in out.outputs] == [1, 1, 1]
+    assert {s.finish_reason for s in out.outputs} == {"length"}
+    beams, = llm.beam_search([prompt], beam_width=2, max_tokens=8)
+    assert [len(b["token_ids"]) for b in beams] == [1, 1]
+    assert_empty(llm)
+
+
 # 2. abort_request ------------------------------------------------------------------------------
 
 def test_abort_waiting_and_running_requests_frees_their_blocks(tiny_path, tiny):
@@ -135,6 +149,50 @@ def test_abort_waiting_and_running_requests_frees_their_blocks(tiny_path, tiny):
     assert drain(llm) == []  # the step in flight reports nothing for aborted requests
     assert_empty(llm)
     assert llm.generate(prompts[3:], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
+def test_an_aborted_request_reports_nothing_more(tiny):
+    """Outputs of a request that another generate kept for the caller's next step() go when it is
+    aborted. Before: step() still returned them, unfinished, after the abort."""
+    early, late = random_prompts(2, (10, 30), seed=79)
+    request_id = tiny.add_request(early, GREEDY)
+    tiny.step()
+    tiny.generate([late], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                  use_tqdm=False)
+    assert any(out.request_id == request_id for out in tiny.held)  # kept for the caller
+    assert tiny.abort_request(request_id)
+    assert drain(tiny) == []
+    assert_empty(tiny)
+
+
+def test_abort_a_request_in_chunked_prefill_or_sharing_blocks(tiny_path, tiny):
+    """A request aborted between two chunks of its prefill frees its blocks; one aborted while it
+    shares prefix blocks with another leaves the other's blocks (and tokens) alone."""
+    llm = make_llm(tiny_path, max_num_batched_tokens=32)
+    long = random_prompts(1, (90, 90), seed=77)[0]
+    request_id = llm.add_request(long, GREEDY)
+    llm.step()
+    seq = llm.requests[request_id]
+    assert 0 < seq.num_computed_tokens < len(long) and seq.block_table  # one chunk in
+    assert llm.abort_request(request_id)
+    assert_empty(llm)
+    drain(llm)
+    prefix = random_prompts(1, (48, 48), seed=78)[0]  # three full blocks, shared
+    first, second = prefix + [1, 2, 3], prefix + [4, 5]
+    expected = tiny.generate([second], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    ids = []
+    for prompt in (first, second):  # the second comes once the first's prompt is in the cache
+        ids.append(llm.add_request(prompt, GREEDY))
+        for _ in range(3):
+            llm.step()
+    shared = set(llm.requests[ids[0]].block_table[:3])
+    assert shared == set(llm.requests[ids[1]].block_table[:3])
+    assert llm.abort_request(ids[0])
+    assert all(llm.block_manager.blocks[b].ref_count == 1 for b in shared)
+    outputs = drain(llm)
+    assert {o.request_id for o in outputs} == {ids[1]}
+    assert outputs[-1].outputs[0].token_ids == expected
+    assert_empty(llm)
 
 
 def test_abort_a_swapped_out_request(tiny_path):
@@ -241,7 +299,7 @@ def test_stream_stopped_early_aborts_its_requests(tiny):
 
 # 3. requests queued before a generate ----------------------------------------------------------
 
-@pytest.mark.parametrize("driver", ["generate", "beam_search"])
+@pytest.mark.parametrize("driver", ["generate", "beam_search", "stream"])
 def test_requests_queued_before_generate_keep_their_outputs(tiny, driver):
     """Before: generate and beam_search drove step() and threw away the outputs of requests queued
     earlier with add_request: such a request never got its output."""
@@ -252,12 +310,31 @@ def test_requests_queued_before_generate_keep_their_outputs(tiny, driver):
     longer = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     if driver == "generate":  # runs longer than the early request: that one ends meanwhile
         tiny.generate([late], longer, use_tqdm=False)
+    elif driver == "stream":
+        assert {out.request_id for out in tiny.stream([late], longer)} == {request_id + 1}
     else:
         tiny.beam_search([late], beam_width=2, max_tokens=40)
     outputs = drain(tiny)
     assert {o.request_id for o in outputs} == {request_id}
     assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
     assert outputs[-1].outputs[0].token_ids == expected
+    assert_empty(tiny)
+
+
+def test_interrupted_generate_keeps_requests_queued_before_it(tiny, monkeypatch):
+    """An interrupted generate aborts its own requests only: one queued before it with
+    add_request still runs to its end, with the tokens it gets alone."""
+    early, *prompts = random_prompts(4, (10, 30), seed=76)
+    expected = tiny.generate([early], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    request_id = tiny.add_request(early, GREEDY)
+    count_steps(tiny, monkeypatch, raise_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        tiny.generate(prompts, GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert list(tiny.requests) == [request_id]
+    outputs = drain(tiny)
+    assert {o.request_id for o in outputs} == {request_id}
+    assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == expected
     assert_empty(tiny)
 
 

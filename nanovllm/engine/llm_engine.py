@@ -96,6 +96,7 @@ class LLMEngine:
             while seq.token_ids[-1] < 0:  # placeholders of steps in flight: never filled now
                 seq.token_ids.pop()
         self.scheduler.finish(live)
+        self.held = [out for out in self.held if out.request_id != request_id]  # nothing more of it
         root.metrics.finished_time = time.monotonic()
         return True
 
