@@ -40,6 +40,8 @@ class LLM(LLMEngine):
                     if out.finished:
                         pending.discard(out.request_id)
                     yield out
+                held = {out.request_id for out in self.held}  # ones the caller aborted meanwhile go
+                pending = {r for r in pending if r in self.requests or r in held}
         finally:
             for request_id in pending:
                 self.abort_request(request_id)

@@ -8,6 +8,7 @@ test says in its docstring how the code before the fix failed.
 """
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -115,6 +116,30 @@ def test_requests_end_exactly_at_max_model_len(short_path, tiny, max_model_len):
     assert_empty(llm)
 
 
+def test_a_step_that_swaps_out_all_it_had_still_moves_the_blocks(short_path, tiny):
+    """A 63-token prompt takes the last four free blocks of eight while two samples of a 62-token
+    prompt need a copy-on-write block: the step swaps out their group and has nothing else to run.
+    Its swap-out must still run. Before: a step without sequences was never launched, so the
+    group's blocks reached the CPU pool unwritten, and the second sample's next token came from
+    a zeroed cache (tokens [471, 462] instead of [471, 162])."""
+    llm = make_llm(short_path, num_kvcache_blocks=8, preemption_mode="swap", swap_space=0.001)
+    moves_only, schedule = [], llm.scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        moves_only.append(not batch.seqs and bool(batch.swap_out))
+        return batch
+    llm.scheduler.schedule = recording
+    prompts = [random_prompts(1, (n, n), seed=n)[0] for n in (63, 62)]
+    params = [GREEDY, SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=8)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert any(moves_only) and llm.get_stats()["num_swapped_out"] == 1
+    for out, ref in zip(outputs, tiny.generate(prompts, params, use_tqdm=False)):
+        for sample, expected in zip(out.outputs, ref.outputs):
+            assert sample.token_ids == expected.token_ids[:len(sample.token_ids)]
+    assert_empty(llm)
+
+
 def test_samples_and_beams_end_at_max_model_len(short_path):
     """Parallel samples and beams of a prompt one token short of max_model_len = 64: one token
     each, finish_reason "length" (before: the run-ahead step read rotary position 64)."""
@@ -218,6 +243,38 @@ def test_abort_a_swapped_out_request(tiny_path):
     assert_empty(llm)
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_random_aborts_under_preemption(tiny_path, tiny, mode):
+    """Seeded requests of 1 to 3 samples in a cache that forces preemption, a random one aborted
+    now and then: no output of an aborted request after its abort, the others end with the
+    tokens of an unconstrained run, and every block (and CPU block) is free at the end."""
+    for trial in range(2):
+        llm = make_llm(tiny_path, num_kvcache_blocks=14, preemption_mode=mode, swap_space=0.001)
+        rng = random.Random(trial)
+        prompts = random_prompts(10, (5, 40), seed=100 + trial)
+        params = [SamplingParams(n=rng.choice([1, 2, 3]), temperature=1.0, seed=i, ignore_eos=True,
+                                 max_tokens=rng.randint(5, 30)) for i in range(10)]
+        expected = tiny.generate(prompts, params, use_tqdm=False)
+        ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+        aborted, finals = set(), {}
+        while not llm.is_finished():
+            for out in llm.step():
+                assert out.request_id not in aborted
+                if out.finished:
+                    finals[out.request_id] = out
+            live = [request_id for request_id in ids if request_id in llm.requests]
+            if live and rng.random() < 0.1:
+                victim = rng.choice(live)
+                assert llm.abort_request(victim)
+                aborted.add(victim)
+        assert llm.scheduler.num_preemptions > 0 and aborted
+        assert_empty(llm)
+        for request_id, ref in zip(ids, expected):
+            if request_id not in aborted:
+                assert [s.token_ids for s in finals[request_id].outputs] == \
+                    [s.token_ids for s in ref.outputs]
+
+
 def count_steps(llm, monkeypatch, raise_at: int | None = None):
     """Wrap llm.step: counts its calls, and raises KeyboardInterrupt at call `raise_at`."""
     step, calls = llm.step, count(1)
@@ -294,6 +351,46 @@ def test_stream_stopped_early_aborts_its_requests(tiny):
         break
     assert_empty(tiny)
     drain(tiny)
+    assert_empty(tiny)
+
+
+def test_aborting_a_streamed_request_ends_its_part_of_the_stream(tiny, monkeypatch):
+    """The caller aborts one of two streamed requests at its first output: the stream goes on
+    with the other and ends. Before: llm.stream stepped an idle engine forever, waiting for the
+    aborted request's last output."""
+    prompts = random_prompts(2, (10, 30), seed=86)
+    expected = [o.outputs[0].token_ids for o in tiny.generate(prompts, GREEDY, use_tqdm=False)]
+    step, calls = tiny.step, count(1)
+
+    def bounded():
+        assert next(calls) < 100, "the stream did not end"
+        return step()
+    monkeypatch.setattr(tiny, "step", bounded)
+    outputs = []
+    for out in tiny.stream(prompts, GREEDY):
+        if not outputs:
+            assert tiny.abort_request(out.request_id)
+        outputs.append(out)
+    aborted, *others = [o.request_id for o in outputs]
+    assert len(set(others)) == 1 and aborted not in others and len(others) == GREEDY.max_tokens
+    assert outputs[-1].finished
+    assert outputs[-1].outputs[0].token_ids == expected[int(others[0] > aborted)]
+    assert_empty(tiny)
+
+
+def test_a_stream_paused_while_a_generate_runs_gets_all_its_outputs(tiny):
+    """A generate runs while a stream waits at its first output: the streamed requests end during
+    the generate, and the stream, resumed, still yields their outputs up to the last."""
+    prompts = random_prompts(3, (10, 30), seed=87)
+    expected = [o.outputs[0].token_ids for o in tiny.generate(prompts[:2], GREEDY, use_tqdm=False)]
+    stream = tiny.stream(prompts[:2], GREEDY)
+    outputs = [next(stream)]
+    longer = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    tiny.generate(prompts[2:], longer, use_tqdm=False)
+    outputs += stream
+    finals = sorted((o for o in outputs if o.finished), key=lambda o: o.request_id)
+    assert len(finals) == 2 and [o.outputs[0].token_ids for o in finals] == expected
+    assert len(outputs) == 2 * GREEDY.max_tokens
     assert_empty(tiny)
 
 
@@ -426,8 +523,8 @@ def break_weights(path: str, how: str):
     name = "model.layers.1.mlp.down_proj.weight"
     if how == "wrong shape":
         tensors[name] = tensors[name].t().contiguous()
-    else:  # NaN
-        tensors[name][3, 5] = float("nan")
+    else:  # NaN or inf
+        tensors[name][3, 5] = float(how)
     save_file(tensors, file, metadata={"format": "pt"})
     return name
 
@@ -436,7 +533,8 @@ def break_weights(path: str, how: str):
     ("truncated", "does not read as safetensors"),
     ("wrong shape", ("of shape [128, 64] does not fit model.layers.1.mlp.down_proj.weight of "
                      "shape [64, 128]")),
-    ("NaN", "holds NaN or inf"),
+    ("nan", "holds NaN or inf"),
+    ("-inf", "holds NaN or inf"),
 ])
 def test_broken_checkpoint_names_file_and_tensor(tiny_path, tmp_path, how, message):
     """Before: errors from safetensors or torch.copy_ that named neither the file nor the tensor,
@@ -493,8 +591,8 @@ def test_triton_on_cpu_without_interpreter_is_refused_at_build(tiny_path):
 
 
 def test_cpu_bench_command_runs():
-    """The README's CPU benchmark. Before: prompts of randint(100, --max-input-len) tokens, an empty
-    range below 100 (ValueError: empty range for randrange())."""
+    """The README's CPU benchmark, smaller. Before: prompts of randint(100, --max-input-len)
+    tokens, an empty range below 100 (ValueError: empty range for randrange())."""
     command = [sys.executable, "bench.py", "--attn-backend", "sdpa", "--arch", "SmolLM2-135M",
                "--num-seqs", "4", "--max-input-len", "32", "--max-output-len", "8"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread: a small model on shared cores

@@ -113,7 +113,7 @@ class LLMEngine:
         launched = None
         if self.scheduler.has_unfinished():
             batch = self.scheduler.schedule()
-            if batch.seqs:
+            if batch.seqs or batch.swap_in or batch.swap_out:  # a step may only move blocks
                 if self.tracer is not None:
                     self.tracer.on_step(batch)
                 launched = batch, self.model_runner.run(batch)

@@ -166,6 +166,8 @@ class ModelRunner:
         if self.swap_space is not None:
             self.swap_space.move(step.swap_in, step.swap_out)
         self.kv_cache.copy_blocks(step.copies)
+        if not step.input_ids:  # it preempted all it had to run: its swaps are the whole step
+            return None
         graph = self.graphs.find(step) if self.graphs is not None else None
         layout = graph.sizes if graph is not None else step.sizes
         flat = self.upload(step, layout, graph.inputs if graph is not None else None)
@@ -188,6 +190,8 @@ class ModelRunner:
         token of each sample row (a row per sampling sequence, n rows for the prompt of a new
         n-sample request) and, when asked, their log-probabilities (which do wait)."""
         logits = self.execute(self.step_inputs(batch))
+        if not batch.seqs:  # only block moves: nothing sampled, the last step's tokens stay
+            return SampledTokens(torch.empty(0, dtype=torch.int64), None)
         rows = [(seq, seq.sample_index + j)
                 for seq, k in zip(batch.seqs, batch.num_samples) for j in range(k)]
         scores = logits
