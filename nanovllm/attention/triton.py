@@ -43,5 +43,6 @@ class TritonBackend(AttentionBackend):
                              self.k_scale, self.v_scale)
         if meta.query_tiles.shape[0]:
             prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
-                              meta.query_tiles, QUERY_TILE, self.scale, out, self.k_scale, self.v_scale)
+                              meta.query_tiles, QUERY_TILE, self.scale, out, self.k_scale,
+                              self.v_scale)
         return out

@@ -39,7 +39,8 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n, k_len
     alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_ptr + rows[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0).to(q.dtype)
+    v = tl.load(v_ptr + rows[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
+    v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
 

@@ -54,10 +54,23 @@ def _rope_store_kernel(
 
 @triton.jit
 def _to_cache(x, inv_scale, cache_ptr, FP8: tl.constexpr):
-    """x as the cache stores it: itself, or in an FP8 cache x / scale, saturated (attention/fp8.py)."""
+    """x as the cache stores it: itself, or in an FP8 cache x / scale, saturated (fp8.py)."""
     if FP8:
-        x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -448.0), 448.0)
+        x = _round_to_e4m3(tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -448.0), 448.0))
     return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """x (float32, |x| <= 448) rounded to the nearest e4m3 value, halves away from zero, in float32.
+
+    The cast that follows is then exact, on a GPU (whose cast rounds to nearest itself) and in
+    Triton's CPU interpreter alike (whose cast truncates, and loses the carry of 127.5 -> 128).
+    e4m3 has 3 mantissa bits: the step between values of exponent e is 2^(e - 3), and below 2^-6
+    (subnormals) it stays 2^-9."""
+    exponent = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    step = tl.exp2((exponent - 3).to(tl.float32))
+    return tl.where(x < 0, -1.0, 1.0) * tl.floor(tl.abs(x) / step + 0.5) * step
 
 
 def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
@@ -66,8 +79,8 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
                eps: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """qkv [N, num_heads + 2 * num_kv_heads, D] (queries, keys, values): rotate the query and key heads by the
     angles of their positions (cos_sin [max_position, D]: cos | sin), after RMSNorms with q_weight and k_weight if
-    given; write keys and values to cache slots `slot_mapping` [N] (-1 = skip); return the queries [N, num_heads, D].
-    An FP8 cache gets keys / k_scale and values / v_scale, saturated (attention/fp8.py)."""
+    given; write keys and values to cache slots `slot_mapping` [N] (-1 = skip); return the queries [N, num_heads, D]
+    (an FP8 cache gets keys / k_scale and values / v_scale, saturated: attention/fp8.py)."""
     num_tokens, num_all_heads, head_dim = qkv.shape
     num_kv_heads = (num_all_heads - num_heads) // 2
     assert qkv.stride(2) == 1 and qkv.stride(1) == head_dim and slot_mapping.shape == (num_tokens,)
