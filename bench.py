@@ -6,6 +6,7 @@ ignore_eos; max_model_len 4096; one warm-up generate; throughput = sum(max_token
 Without --model it runs an architecture shipped in benchmarks/ (--arch: Qwen3-0.6B, Qwen3-8B) with
 random weights; `--tp 2` splits it over 2 GPUs.
 `--table` runs the batch x length grid (output length = input length) and reports decode tokens/s.
+`--kv-cache-dtype auto fp8` runs each backend with each KV cache dtype, in one run (a row each).
 """
 import argparse
 import gc
@@ -21,10 +22,10 @@ from nanovllm import LLM, SamplingParams
 ARCHS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks")
 
 
-def make_llm(args, backend: str, **options) -> LLM:
+def make_llm(args, backend: str, kv_cache_dtype: str = "auto", **options) -> LLM:
     weights = dict(load_format="dummy", skip_tokenizer_init=True) if args.model is None else {}
     return LLM(args.model or os.path.join(ARCHS, args.arch), attn_backend=backend, enforce_eager=args.enforce_eager,
-               tensor_parallel_size=args.tp, **weights, **options)
+               tensor_parallel_size=args.tp, kv_cache_dtype=kv_cache_dtype, **weights, **options)
 
 
 def nano_vllm_requests(num_seqs: int = 256, max_input_len: int = 1024,
@@ -84,6 +85,8 @@ def main():
     parser.add_argument("--num-seqs", type=int, default=256, help="nano-vllm's workload: sequences")
     parser.add_argument("--max-input-len", type=int, default=1024, help="prompts of randint(100, this) tokens")
     parser.add_argument("--max-output-len", type=int, default=1024, help="outputs of randint(100, this)")
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8"],
+                        help="KV cache dtypes, each with every backend (fp8: triton, sdpa)")
     args = parser.parse_args()
     if args.attn_backend is None:
         flash = importlib.util.find_spec("flash_attn") is not None
@@ -91,17 +94,21 @@ def main():
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     model = args.model or f"{args.arch} (random weights)"
     rows = []
-    for backend in args.attn_backend:
+    for backend, kv_dtype in [(b, d) for b in args.attn_backend for d in args.kv_cache_dtype]:
+        name = backend if kv_dtype == "auto" else f"{backend} {kv_dtype}"
         if not args.table:
-            llm = make_llm(args, backend, max_model_len=4096)
+            llm = make_llm(args, backend, kv_dtype, max_model_len=4096)
+            kv = llm.model_runner.kv_cache
+            print(f"{name}: a KV cache of {kv.shape[2] * kv.shape[3]:,} tokens", flush=True)
             graphs = getattr(llm.model_runner, "graphs", None)
             if hasattr(graphs, "capture_seconds"):
-                print(f"{backend}: {len(graphs.graphs)} CUDA graphs captured in {graphs.capture_seconds:.1f} s, "
+                print(f"{name}: {len(graphs.graphs)} CUDA graphs captured in {graphs.capture_seconds:.1f} s, "
                       f"{graphs.capture_bytes / 2**30:.2f} GiB", flush=True)
             tokens, seconds = nano_vllm_workload(llm, args)
-            rows.append(f"| {backend} | {tokens} | {seconds:.2f} | {tokens / seconds:,.0f} |")
+            rows.append(f"| {name} | {tokens} | {seconds:.2f} | {tokens / seconds:,.0f} |")
         else:
-            llm = make_llm(args, backend, max_model_len=2 * max(args.lengths), max_num_seqs=max(args.batches))
+            grid = dict(max_model_len=2 * max(args.lengths), max_num_seqs=max(args.batches))
+            llm = make_llm(args, backend, kv_dtype, **grid)
             cells = []
             for length in args.lengths:
                 for batch in args.batches:
@@ -110,9 +117,9 @@ def main():
                     except torch.OutOfMemoryError:
                         cells.append("OOM")
                         release(llm)
-                        llm = make_llm(args, backend, max_model_len=2 * max(args.lengths), max_num_seqs=max(args.batches))
-                    print(f"{backend} b{batch} L{length}: {cells[-1]}", flush=True)  # kept if a time limit cuts the grid
-            rows.append(f"| {backend} | " + " | ".join(cells) + " |")
+                        llm = make_llm(args, backend, kv_dtype, **grid)
+                    print(f"{name} b{batch} L{length}: {cells[-1]}", flush=True)  # kept if a time limit cuts the grid
+            rows.append(f"| {name} | " + " | ".join(cells) + " |")
         release(llm)
         print(rows[-1], flush=True)
     print(f"\n{model}, {device}, tensor_parallel_size={args.tp}" + ("" if args.table else ", nano-vllm's workload"))
