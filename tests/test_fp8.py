@@ -187,6 +187,24 @@ def test_sdpa_and_triton_agree_on_an_fp8_cache(tiny_path, tiny_fp8):
     assert err < 1e-4
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_on_the_gpu_triton_with_cuda_graphs_matches_sdpa(tiny_path):
+    """On a GPU the store kernel writes the FP8 cache for both backends; triton's kernels, replayed
+    in CUDA graphs, read it as sdpa's gather does (float32 model; triton's dots take tf32)."""
+    seqs = random_prompts(6, (20, 300), seed=4)
+    seqs.append(seqs[5][:200] + seqs[0][:20])  # a prefix-cache hit
+    prompt_lens = [max(1, len(s) - 12) for s in seqs]
+    logits = {}
+    for backend in ("sdpa", "triton"):
+        llm = LLM(tiny_path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8",
+                  attn_backend=backend, kvcache_block_size=16, num_kvcache_blocks=256,
+                  max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=1024)
+        assert (llm.model_runner.graphs is not None) and llm.model_runner.kv_cache.dtype == FP8
+        logits[backend] = engine_logits(llm, seqs, prompt_lens)
+        llm.shutdown()
+    assert rel_error(logits["triton"], logits["sdpa"]) < 1e-2
+
+
 def test_swap_and_copy_on_write_move_an_fp8_cache_intact(tiny_path, tiny_fp8):
     """n = 3 samples (shared blocks, copies on write) under swap preemption in a tiny cache give the
     tokens and log-probabilities of the same requests without memory pressure."""
