@@ -33,9 +33,11 @@ def nano_vllm_requests(num_seqs: int = 256, max_input_len: int = 1024,
     """nano-vllm's bench.py workload, step for step: 256 random prompts and their sampling parameters
     (fewer and shorter with the arguments, for a laptop)."""
     seed(0)
-    prompts = [[randint(0, 10000) for _ in range(randint(100, max_input_len))] for _ in range(num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, max_output_len))
-              for _ in range(num_seqs)]
+    low_in, low_out = min(100, max_input_len), min(100, max_output_len)  # under 100: a laptop's run
+    prompts = [[randint(0, 10000) for _ in range(randint(low_in, max_input_len))]
+               for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True,
+                             max_tokens=randint(low_out, max_output_len)) for _ in range(num_seqs)]
     return prompts, params
 
 
@@ -62,6 +64,21 @@ def decode_throughput(llm: LLM, batch: int, length: int) -> float:
     while not llm.is_finished():
         llm.step()
     return (llm.output_processor.num_generation_tokens - first) / (time.perf_counter() - start)
+
+
+def print_kv_cache(llm, name: str):
+    """The KV cache's size in tokens (a function, for the same reason as print_graphs)."""
+    kv = llm.model_runner.kv_cache
+    print(f"{name}: a KV cache of {kv.shape[2] * kv.shape[3]:,} tokens", flush=True)
+
+
+def print_graphs(llm, backend: str):
+    """What the CUDA graphs cost (a function: no reference to them may outlive the engine, as
+    they hold views of its KV cache)."""
+    graphs = getattr(llm.model_runner, "graphs", None)
+    if hasattr(graphs, "capture_seconds"):
+        print(f"{backend}: {len(graphs.graphs)} CUDA graphs captured in "
+              f"{graphs.capture_seconds:.1f} s, {graphs.capture_bytes / 2**30:.2f} GiB", flush=True)
 
 
 def release(llm):
@@ -98,12 +115,8 @@ def main():
         name = backend if kv_dtype == "auto" else f"{backend} {kv_dtype}"
         if not args.table:
             llm = make_llm(args, backend, kv_dtype, max_model_len=4096)
-            kv = llm.model_runner.kv_cache
-            print(f"{name}: a KV cache of {kv.shape[2] * kv.shape[3]:,} tokens", flush=True)
-            graphs = getattr(llm.model_runner, "graphs", None)
-            if hasattr(graphs, "capture_seconds"):
-                print(f"{name}: {len(graphs.graphs)} CUDA graphs captured in {graphs.capture_seconds:.1f} s, "
-                      f"{graphs.capture_bytes / 2**30:.2f} GiB", flush=True)
+            print_kv_cache(llm, name)
+            print_graphs(llm, name)
             tokens, seconds = nano_vllm_workload(llm, args)
             rows.append(f"| {name} | {tokens} | {seconds:.2f} | {tokens / seconds:,.0f} |")
         else:

@@ -147,6 +147,7 @@ def decode_steps(args):
 
 def serving_steps(args):
     import serving
+    args.rate = args.rate[0]  # serving.py's --rate takes a sweep: one rate here
     options = {"prefill_first": True} if args.prefill_first else {}
     llm = serving.make_llm(args, **options)
     requests = serving.synthesize(args.trace, args.num_requests, args.seed, llm.config.max_model_len)

@@ -104,7 +104,10 @@ def kv_breakdown(block_manager, seqs) -> dict[str, int]:
         held = len(seq.block_table) * bs
         computed = min(seq.num_computed_tokens, held)
         filled = num_blocks_for(computed, bs) * bs  # the blocks holding tokens
-        last = num_blocks_for(seq.max_len - 1, bs) * bs  # its last token gets no K/V
+        max_len = getattr(seq, "max_len", None)  # None: an engine before max_len (2429d52)
+        if max_len is None:
+            max_len = seq.num_prompt_tokens + seq.params.max_tokens
+        last = num_blocks_for(max_len - 1, bs) * bs  # its last token gets no K/V
         will_fill = min(held, max(filled, last))
         out["tokens"] += computed
         out["tail"] += filled - computed

@@ -10,12 +10,13 @@ from nanovllm.attention import BACKENDS, get_backend
 from nanovllm.models import model_class
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-CHOICES = {"attn_backend": ("", *BACKENDS), "device": ("", "cuda", "cpu"), "dtype": ("auto", *DTYPES),
-           "load_format": ("safetensors", "dummy"), "preemption_mode": ("recompute", "swap"),
+CHOICES = {"attn_backend": ("", *BACKENDS), "device": ("", "cuda", "cpu"),
+           "dtype": ("auto", *DTYPES), "load_format": ("safetensors", "dummy"),
+           "preemption_mode": ("recompute", "swap"),
            "kv_reservation": (None, "oracle", "pow2", "max"), "kv_cache_dtype": ("auto", "fp8")}
+AT_LEAST_ONE = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size")
 RANGES = {  # option: (test, what is allowed)
-    **{name: (lambda v: v >= 1, ">= 1") for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len",
-                                                     "tensor_parallel_size")},
+    **{name: (lambda v: v >= 1, ">= 1") for name in AT_LEAST_ONE},
     "kvcache_block_size": (lambda v: v >= 1 and not v & (v - 1), "a power of two"),
     "gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "num_kvcache_blocks": (lambda v: v >= 1 or v == -1, ">= 1 (or -1: automatic)"),
@@ -45,6 +46,7 @@ class Config:
     kv_reservation: str | None = None    # Orca's reservations, not paging: engine/reservation.py
     kv_cache_dtype: str = "auto"         # "auto": the model's dtype; "fp8": e4m3 (attention/fp8.py)
     skip_tokenizer_init: bool = False
+    tokenizer: str = ""                  # "": the model directory's; else a directory holding one
     seed: int = 0
     tensor_parallel_size: int = 1
     hf_config: dict | None = None        # filled in: the model's config.json
@@ -52,7 +54,8 @@ class Config:
 
     @classmethod
     def from_options(cls, model: str, **options) -> "Config":
-        """Build a Config, naming any option that does not exist (a TypeError, not a silent drop)."""
+        """Build a Config, naming any option that does not exist (a TypeError, not a silent
+        drop)."""
         known = {f.name for f in fields(cls)} - {"model", "hf_config", "torch_dtype"}
         unknown = sorted(set(options) - known)
         if unknown:
@@ -62,8 +65,8 @@ class Config:
     def __post_init__(self):
         for f in fields(self):
             value, kind = getattr(self, f.name), {float: (int, float)}.get(f.type, f.type)
-            if isinstance(kind, type | tuple) and (not isinstance(value, kind) or
-                                                    (isinstance(value, bool) and f.type is not bool)):
+            wrong = not isinstance(value, kind) or isinstance(value, bool) and f.type is not bool
+            if isinstance(kind, type | tuple) and wrong:
                 raise TypeError(f"{f.name}={value!r} must be of type {f.type.__name__}")
         self.hf_config = read_model_config(self.model)
         for name, allowed in CHOICES.items():
@@ -75,7 +78,7 @@ class Config:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu'")
         if self.preemption_mode == "swap" and not self.swap_space > 0:
-            raise ValueError(f"swap_space={self.swap_space} must be > 0 GiB with preemption_mode='swap'")
+            raise ValueError(f"swap_space={self.swap_space} must be > 0 (GiB) to swap")
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if not self.attn_backend:
             flash = importlib.util.find_spec("flash_attn") is not None
@@ -86,8 +89,10 @@ class Config:
         if self.dtype != "auto":
             self.torch_dtype = DTYPES[self.dtype]
         else:  # the checkpoint's on CUDA, float32 on CPU
-            checkpoint = DTYPES.get(self.hf_config.get("torch_dtype") or self.hf_config.get("dtype"), torch.bfloat16)
-            self.torch_dtype = checkpoint if self.device == "cuda" else torch.float32
+            name = self.hf_config.get("torch_dtype") or self.hf_config.get("dtype")
+            self.torch_dtype = DTYPES.get(name, torch.bfloat16)
+            if self.device == "cpu":
+                self.torch_dtype = torch.float32
         self.max_model_len = min(self.max_model_len, self.hf_config["max_position_embeddings"])
         self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.kvcache_block_size)
         if self.tensor_parallel_size > 1:
@@ -96,7 +101,8 @@ class Config:
 
 
 def read_model_config(model: str) -> dict:
-    """The model directory's config.json, with the keys the engine reads filled in where optional."""
+    """The model directory's config.json, with the keys the engine reads filled in where
+    optional."""
     path = os.path.join(model, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"model={model!r} is not a directory holding config.json and weights")

@@ -15,19 +15,21 @@ class LLM(LLMEngine):
         """Validate every request, then queue them all (as `output_kind` if given); their ids."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else prompts
         if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a string, a dict or a list of them, not {type(prompts).__name__}")
+            raise TypeError("prompts must be a string, a dict or a list of them, not "
+                            f"{type(prompts).__name__}")
         params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} "
+                             "prompts")
         if output_kind is not None:  # a copy: the caller's object stays as it was
-            params = [replace(p or SamplingParams(), output_kind=output_kind) if isinstance(p, SamplingParams | None)
-                      else p for p in params]
+            params = [replace(p or SamplingParams(), output_kind=output_kind)
+                      if isinstance(p, SamplingParams | None) else p for p in params]
         seqs = [self.input_processor.make_sequence(p, sp) for p, sp in zip(prompts, params)]
         return [self._queue(seq) for seq in seqs]
 
     def _run(self, request_ids: list):
-        """Step until these requests end, yielding their outputs (other requests' outputs are kept for
-        the caller's next step()); requests left when the caller stops early are aborted."""
+        """Step until these requests end, yielding their outputs (other requests' outputs are kept
+        for the caller's next step()); requests left when the caller stops early are aborted."""
         pending = set(request_ids)
         try:
             while pending:
@@ -49,18 +51,23 @@ class LLM(LLMEngine):
         outputs = dict.fromkeys(request_ids)
         counts, start = self.output_processor, time.perf_counter()
         first = counts.num_prompt_tokens, counts.num_generation_tokens
-        with tqdm(total=len(request_ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as bar:
+        bar = tqdm(total=len(request_ids), desc="Generating", dynamic_ncols=True,
+                   disable=not use_tqdm)
+        with bar:
             for out in self._run(request_ids):
                 outputs[out.request_id] = out
                 seconds = time.perf_counter() - start  # vLLM's rates: tokens over the time so far
-                bar.set_postfix_str(f"input: {(counts.num_prompt_tokens - first[0]) / seconds:.0f} tok/s, output: "
-                                    f"{(counts.num_generation_tokens - first[1]) / seconds:.0f} tok/s", refresh=False)
+                prefill = (counts.num_prompt_tokens - first[0]) / seconds
+                decode = (counts.num_generation_tokens - first[1]) / seconds
+                bar.set_postfix_str(f"input: {prefill:.0f} tok/s, output: {decode:.0f} tok/s",
+                                    refresh=False)
                 bar.update(1)
         return list(outputs.values())
 
     def stream(self, prompts, sampling_params=None):
-        """Generate, yielding RequestOutputs as tokens arrive (each request's text and tokens so far;
-        only the new ones with output_kind="delta"); the last one of a request has finished=True."""
+        """Generate, yielding RequestOutputs as tokens arrive (each request's text and tokens so
+        far; only the new ones with output_kind="delta"); the last one of a request has
+        finished=True."""
         yield from self._run(self._queue_all(prompts, sampling_params))
 
     def chat(self, messages: list, sampling_params=None, use_tqdm: bool = True, **template_options):
@@ -73,8 +80,16 @@ class LLM(LLMEngine):
                                                       **template_options) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def beam_search(self, prompts, beam_width: int, max_tokens: int = 16, length_penalty: float = 1.0):
-        """Beam search per prompt: the beams best first, each with text, token_ids, cumulative_logprob,
-        score and finish_reason (the rules: nanovllm/engine/beam_search.py). Width 1 is greedy."""
+    def beam_search(self, prompts, beam_width: int, max_tokens: int = 16,
+                    length_penalty: float = 1.0):
+        """Beam search per prompt: the beams best first, each with text, token_ids,
+        cumulative_logprob, score and finish_reason (the rules: nanovllm/engine/beam_search.py).
+        Width 1 is greedy."""
         from nanovllm.engine.beam_search import beam_search
         return beam_search(self, prompts, beam_width, max_tokens, length_penalty)
+
+    def trace(self, path):
+        """A context manager that records every step into a JSON trace at `path`
+        (nanovllm/trace.py); `python -m nanovllm.viz` draws it."""
+        from nanovllm.trace import Trace
+        return Trace(self, path)

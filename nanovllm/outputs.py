@@ -1,6 +1,6 @@
-"""What the engine returns, shaped like vLLM's: a RequestOutput per request, holding a CompletionOutput
-per generated sample, and the request's timings. `out["text"]` and `out["token_ids"]` (nano-vllm's
-dicts) still work: they read the first sample."""
+"""What the engine returns, shaped like vLLM's: a RequestOutput per request, holding a
+CompletionOutput per generated sample, and the request's timings. `out["text"]` and
+`out["token_ids"]` (nano-vllm's dicts) still work: they read the first sample."""
 from dataclasses import dataclass, field
 
 
@@ -30,7 +30,8 @@ class RequestMetrics:
 
     @property
     def queue_time(self) -> float | None:
-        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+        scheduled = self.first_scheduled_time
+        return None if scheduled is None else scheduled - self.arrival_time
 
     @property
     def time_to_first_token(self) -> float | None:

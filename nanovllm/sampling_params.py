@@ -1,9 +1,11 @@
 """How one request is decoded (vLLM's SamplingParams): temperature, truncation, penalties, stopping,
-seeding, the number of parallel samples, the log-probabilities to report, and how its outputs stream."""
+seeding, the number of parallel samples, the log-probabilities to report, and how its outputs
+stream."""
 import math
 from dataclasses import dataclass, field
 
 NUMBER = (int, float)
+OUTPUT_KINDS = ("cumulative", "delta", "final")
 RULES = {  # argument: (types, test, what is allowed)
     "n": (int, lambda v: v >= 1, "an integer >= 1"),
     "temperature": (NUMBER, lambda v: 0 <= v < math.inf, "a finite number >= 0 (0 means greedy)"),
@@ -19,9 +21,11 @@ RULES = {  # argument: (types, test, what is allowed)
     "logprobs": ((int, type(None)), lambda v: v is None or v >= 0, "None or an integer >= 0"),
     "ignore_eos": (bool, lambda v: True, "True or False"),
     "skip_special_tokens": (bool, lambda v: True, "True or False"),
-    "output_kind": (str, lambda v: v in ("cumulative", "delta", "final"), "'cumulative', 'delta' or 'final'"),
-    "stop": (list, lambda v: all(isinstance(s, str) and s for s in v), "a string or a list of non-empty strings"),
-    "stop_token_ids": (list, lambda v: all(type(t) is int and t >= 0 for t in v), "a list of token ids >= 0"),
+    "output_kind": (str, lambda v: v in OUTPUT_KINDS, " or ".join(map(repr, OUTPUT_KINDS))),
+    "stop": (list, lambda v: all(isinstance(s, str) and s for s in v),
+             "a string or a list of non-empty strings"),
+    "stop_token_ids": (list, lambda v: all(type(t) is int and t >= 0 for t in v),
+                       "a list of token ids >= 0"),
 }
 
 
@@ -34,8 +38,8 @@ class SamplingParams:
     min_p: float = 0.0
     presence_penalty: float = 0.0   # OpenAI's: subtracted once from every token already generated
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the generated tokens
-    repetition_penalty: float = 1.0  # transformers': logits of prompt and generated tokens / or * it
-    seed: int | None = None         # the same seed gives the same tokens, whatever else is in the batch
+    repetition_penalty: float = 1.0  # transformers': logits of seen tokens divided (or times) by it
+    seed: int | None = None         # the same seed, the same tokens (whatever else is in the batch)
     stop: list[str] = field(default_factory=list)  # strings that end the text (not included in it)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -43,7 +47,7 @@ class SamplingParams:
     min_tokens: int = 0             # no end-of-sequence or stop token before this many tokens
     logprobs: int | None = None     # per token: the chosen token's log-probability and the top ones
     skip_special_tokens: bool = True
-    output_kind: str = "cumulative"  # what step() reports: the text so far, only what is new, or the end
+    output_kind: str = "cumulative"  # step() reports: the text so far, only what's new, or the end
 
     def __post_init__(self):
         if isinstance(self.stop, (str, tuple)):
@@ -57,7 +61,8 @@ class SamplingParams:
             if not test(value):
                 raise ValueError(f"{name}={value!r} must be {allowed}")
         if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
+            raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens="
+                             f"{self.max_tokens}")
 
     @property
     def greedy(self) -> bool:
@@ -66,5 +71,5 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         """Whether the logits depend on the tokens so far (nanovllm/layers/penalties.py)."""
-        return (self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
-                or self.min_tokens > 0)
+        return (self.repetition_penalty != 1 or self.presence_penalty != 0
+                or self.frequency_penalty != 0 or self.min_tokens > 0)

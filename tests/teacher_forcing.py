@@ -15,7 +15,7 @@ def engine_logits(llm, sequences: list[list[int]], prompt_lens: list[int]) -> li
     for tokens, p in zip(sequences, prompt_lens):
         params = SamplingParams(max_tokens=len(tokens) - p, ignore_eos=True)
         seq = llm.input_processor.make_sequence(tokens[:p], params)
-        llm.scheduler.add(seq)
+        llm.scheduler.waiting.append(seq)
         seqs.append((seq, tokens))
     full = {seq.seq_id: tokens for seq, tokens in seqs}
     rows = {seq.seq_id: [] for seq, _ in seqs}

@@ -100,3 +100,19 @@ def test_kv_cache_respects_memory_fraction(qwen3_dir):
     free, total = torch.cuda.mem_get_info()
     assert llm.model_runner.kv_cache.shape[2] > 0
     assert total - free <= 0.5 * total * 1.02, f"{(total - free) / 2**30:.1f} GiB used of {total / 2**30:.1f}"
+
+
+def test_shutdown_frees_the_gpu_for_the_next_engine(qwen3_dir):
+    """bench.py builds one engine per backend in one process: after shutdown() the KV cache and the
+    CUDA graphs of the first must be gone, so the next one sizes its cache from the same memory."""
+    blocks = []
+    for backend in ["triton"] + BACKENDS[2:] + ["triton"]:  # flash (piecewise graphs) if installed
+        llm = LLM(qwen3_dir, attn_backend=backend, skip_tokenizer_init=True, max_model_len=2048,
+                  gpu_memory_utilization=0.5, dtype="bfloat16")
+        llm.generate([[1] * 300] * 8, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+        blocks.append(llm.model_runner.kv_cache.shape[2])
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert blocks[-1] >= 0.95 * blocks[0], blocks

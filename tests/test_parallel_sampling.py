@@ -170,3 +170,20 @@ def test_requests_that_cannot_fit_are_refused_with_the_reason(model):
     with pytest.raises(ValueError, match="KV-cache blocks"):  # n copies of its longest state must fit
         llm.generate([[1, 2]], SamplingParams(n=blocks // 2 + 1, max_tokens=2 * BLOCK_SIZE - 2), use_tqdm=False)
     assert llm.generate([[1, 2]], SamplingParams(n=2, max_tokens=3), use_tqdm=False)[0]["outputs"]
+
+
+def test_a_group_that_does_not_fit_takes_no_block_and_evicts_no_cached_prefix():
+    from nanovllm.engine.sharing import allocate_group
+    bm = BlockManager(6, BS)
+    cached = computed(bm, list(range(8)))  # 2 full blocks, registered in the prefix cache
+    bm.cache_computed_blocks(cached)
+    bm.free(cached)
+    before = dict(bm.cached_blocks)
+    root = Sequence(list(range(100, 120)), SamplingParams(n=2), BS)  # 5 blocks each: 10 > 6
+    sibling = Sequence(list(range(100, 120)), SamplingParams(n=2), BS)
+    root.group = sibling.group = [root, sibling]
+    assert not allocate_group(bm, root)
+    assert bm.cached_blocks == before and bm.num_free_blocks == 6
+    assert not root.block_table and not sibling.block_table
+    again = computed(bm, list(range(8)) + [9])
+    assert again.num_cached_tokens == 8  # the prefix still hits

@@ -26,7 +26,7 @@ def add(sched, *lengths, start=0) -> list[Sequence]:
     seqs = []
     for i, n in enumerate(lengths):
         seq = Sequence([start + 100 * i + t for t in range(n)], SamplingParams(), BS)
-        sched.add(seq)
+        sched.waiting.append(seq)
         seqs.append(seq)
     return seqs
 

@@ -60,7 +60,8 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-BACKENDS = {"flash": "FlashBackend", "triton": "TritonBackend", "sdpa": "SDPABackend"}  # module: class
+# module: class
+BACKENDS = {"flash": "FlashBackend", "triton": "TritonBackend", "sdpa": "SDPABackend"}
 
 
 def get_backend(name: str) -> type[AttentionBackend]:

@@ -27,6 +27,10 @@ class FlashBackend(AttentionBackend):
         if config.kvcache_block_size % 256:
             raise ValueError(f"attn_backend='flash' needs kvcache_block_size to be a multiple of 256 "
                              f"(flash-attn's paged KV), got {config.kvcache_block_size}")
+        if config.torch_dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"attn_backend='flash' computes in float16 or bfloat16, not "
+                             f"{config.torch_dtype} (dtype='auto' took the checkpoint's): pass "
+                             "dtype='bfloat16', or use attn_backend='triton' or 'sdpa'")
         super().__init__(num_heads, num_kv_heads, head_dim, config)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, d: int) -> torch.Tensor:

@@ -1,8 +1,9 @@
-"""The baseline backend: PyTorch's scaled_dot_product_attention over K/V gathered through the block tables.
+"""The baseline backend: PyTorch's scaled_dot_product_attention over K/V gathered through the block
+tables.
 
-It copies each sequence's keys (this step's included) out of the paged cache into a dense tensor (the
-copy that PagedAttention kernels avoid) and calls SDPA: the decodes as one padded batch, each prefill
-chunk on its own. Runs on CPU and CUDA; on CUDA its steps run as piecewise CUDA graphs.
+It copies each sequence's keys (this step's included) out of the paged cache into a dense tensor
+(the copy that PagedAttention kernels avoid) and calls SDPA: the decodes as one padded batch, each
+prefill chunk on its own. Runs on CPU and CUDA; on CUDA its steps run as piecewise CUDA graphs.
 """
 import torch
 import torch.nn.functional as F

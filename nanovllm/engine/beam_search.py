@@ -31,10 +31,12 @@ class Hypothesis:
 class BeamSearch:
     """The beams of one prompt, driven one engine step at a time."""
 
-    def __init__(self, root: Sequence, beam_width: int, max_tokens: int, length_penalty: float, eos_token_ids: set[int]):
+    def __init__(self, root: Sequence, beam_width: int, max_tokens: int, length_penalty: float,
+                 eos_token_ids: set[int]):
         root.beam_width = beam_width
         self.beams, self.finished = [root], []
-        self.beam_width, self.max_tokens, self.length_penalty = beam_width, max_tokens, length_penalty
+        self.beam_width, self.max_tokens = beam_width, max_tokens
+        self.length_penalty = length_penalty
         self.eos_token_ids = eos_token_ids
 
     @property
@@ -43,7 +45,8 @@ class BeamSearch:
 
     def ready(self) -> bool:
         """Whether every live beam holds its KV and the candidates for its next token."""
-        return all(b.status == SequenceStatus.RUNNING and b.candidates is not None for b in self.beams)
+        return all(b.status == SequenceStatus.RUNNING and b.candidates is not None
+                   for b in self.beams)
 
     def score(self, cumulative_logprob: float, length: int) -> float:
         return cumulative_logprob / length ** self.length_penalty
@@ -68,7 +71,8 @@ class BeamSearch:
         self.beams = []
         for beam, tokens in chosen.items():
             candidates, beam.candidates = beam.candidates, None
-            forks = [fork(beam, scheduler.block_manager) for _ in tokens[1:]]  # before the beam appends
+            # before the beam appends
+            forks = [fork(beam, scheduler.block_manager) for _ in tokens[1:]]
             scheduler.running.extend(forks)
             for seq, token in zip([beam] + forks, tokens):
                 seq.append_token(token, candidates)
@@ -83,27 +87,35 @@ class BeamSearch:
         return self.score(best, length) <= self.finished[-1].score
 
 
-def beam_search(engine, prompts: list, beam_width: int, max_tokens: int, length_penalty: float) -> list[list[dict]]:
-    """Drive the engine's steps until every prompt's search is done; the finished beams, best first."""
+def beam_search(engine, prompts: list, beam_width: int, max_tokens: int,
+                length_penalty: float) -> list[list[dict]]:
+    """Drive the engine's steps until every prompt's search is done; the finished beams, best
+    first."""
     if not isinstance(beam_width, int) or beam_width < 1:
         raise ValueError(f"beam_width={beam_width} must be an integer >= 1")
     vocab = engine.config.hf_config["vocab_size"]
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=min(2 * beam_width, vocab))
-    roots = [engine.input_processor.make_sequence(p, params, beam_width) for p in prompts]  # all valid first
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                            logprobs=min(2 * beam_width, vocab))
+    # all prompts checked before any is queued
+    roots = [engine.input_processor.make_sequence(p, params, beam_width) for p in prompts]
     eos = engine.output_processor.eos_token_ids
     searches = [BeamSearch(root, beam_width, max(1, min(max_tokens, root.max_len - len(root))),
                            length_penalty, eos) for root in roots]
     for root in roots:
-        engine.scheduler.add(root)
+        engine.scheduler.waiting.append(root)
     try:
         while not all(search.done for search in searches):
-            outputs = engine.step()  # held outputs come back too: `held += step()` would double them
+            # held outputs come back too: `held += step()` would double them
+            outputs = engine.step()
             engine.held.extend(outputs)  # other requests' outputs, for the caller's next step()
             for search in searches:
                 if not search.done and search.ready():
                     search.advance(engine.scheduler)
     finally:  # interrupted: the live beams go
-        engine.scheduler.finish([beam for search in searches for beam in search.beams if not beam.is_finished])
+        engine.scheduler.finish([beam for search in searches for beam in search.beams
+                                 if not beam.is_finished])
     decode = engine.output_processor.decode
-    return [[{"text": decode(h.token_ids), "token_ids": h.token_ids, "cumulative_logprob": h.cumulative_logprob,
-              "score": h.score, "finish_reason": h.finish_reason} for h in search.finished] for search in searches]
+    return [[{"text": decode(h.token_ids), "token_ids": h.token_ids,
+              "cumulative_logprob": h.cumulative_logprob, "score": h.score,
+              "finish_reason": h.finish_reason} for h in search.finished]
+            for search in searches]

@@ -9,8 +9,9 @@ never returns wrong K/V. A freed block keeps its contents and stays findable unt
 for new data; free blocks are taken least recently freed first. Every operation is O(1) per block.
 
 Memory sharing (the paper's section 4.4): blocks shared by the sequences of one request
-(nanovllm/engine/sharing.py) are copied before one of them writes into them (copy-on-write), and
-the (source, destination) pair goes to the model runner. (Swap preemption's CPU pool is nanovllm/engine/swap.py.)
+(nanovllm/engine/sharing.py) are copied before one of them writes into them (copy-on-write), and the
+(source, destination) pair goes to the model runner. (Swap preemption's CPU pool is
+nanovllm/engine/swap.py.)
 """
 from collections import OrderedDict
 from itertools import count
@@ -38,11 +39,12 @@ class Block:
         self.ref_count = 0
         self.hash: int | None = None
         self.token_ids: list[int] = []
-        self.content_id: int | None = None       # names what the block holds: these tokens after that prefix
-        self.prev_content_id: int | None = None  # content_id of the block before it (None: the first block)
+        self.content_id: int | None = None       # names what it holds: these tokens after a prefix
+        self.prev_content_id: int | None = None  # the content_id of the block before (None: first)
 
     def holds(self, token_ids: list[int], prev_content_id: int | None) -> bool:
-        """Whether the block's K/V are those of token_ids following the prefix named prev_content_id."""
+        """Whether the block's K/V are those of token_ids following the prefix named
+        prev_content_id."""
         return (self.content_id is not None and self.prev_content_id == prev_content_id
                 and self.token_ids == token_ids)
 
@@ -54,7 +56,7 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
+        self.free_blocks = OrderedDict.fromkeys(range(num_blocks))  # block ids, oldest first
         self.cached_blocks: dict[int, int] = {}  # hash -> block id
         self._content_ids = count()
 
@@ -117,7 +119,7 @@ class BlockManager:
             seq.num_cached_tokens = seq.num_computed_tokens
         return True
 
-    def num_blocks_to_append(self, seqs: list[Sequence], ref_counts: list[int] | None = None) -> int:
+    def num_blocks_to_append(self, seqs: list[Sequence], ref_counts: list | None = None) -> int:
         """New blocks the sequences (one, or a group) need before their next tokens fit: fresh tail
         blocks, plus copies of a shared block they write into (k of its r holders writing make
         min(k, r - 1) copies). `ref_counts`: where their blocks' counts are, if not here."""
@@ -136,8 +138,9 @@ class BlockManager:
         return new
 
     def append_blocks(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Give every token of the sequence a slot it may write: copy-on-write the block the next token goes into
-        if others share it, then grow the table. Returns the (src, dst) block copies to make before the forward."""
+        """Give every token of the sequence a slot it may write: copy-on-write the block the next
+        token goes into if others share it, then grow the table. Returns the (src, dst) block copies
+        to make before the forward."""
         copies = []
         i = seq.num_computed_tokens // self.block_size
         if i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1:
@@ -153,7 +156,8 @@ class BlockManager:
         """Register the sequence's newly computed full blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size):
+        num_full = seq.num_computed_tokens // self.block_size
+        for i in range(seq.num_hashed_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
             if block.hash is not None:
                 continue  # registered already, by a sequence sharing it (a prefix hit, or a fork)
@@ -162,10 +166,10 @@ class BlockManager:
             block.hash = hash_block(block.token_ids, prev.hash if prev is not None else None)
             block.prev_content_id = prev.content_id if prev is not None else None
             owner = self.blocks[self.cached_blocks.setdefault(block.hash, block.block_id)]
-            # a block equal to the registered one shares its name, so blocks after either one can hit
+            # a block equal to the registered one shares its name: blocks after either one can hit
             same = owner is not block and owner.holds(block.token_ids, block.prev_content_id)
             block.content_id = owner.content_id if same else next(self._content_ids)
-        seq.num_hashed_blocks = max(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size)
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
 
     def free(self, seq: Sequence):
         """Drop the sequence's references; blocks reaching zero become free, tail first."""

@@ -4,13 +4,14 @@ A step is a few hundred small kernels; launched one by one they leave the GPU wa
 Replaying a graph captured once launches them all at once. Each step is padded to a captured size: a
 step of decodes only to the next batch size of one ladder, any other step to the next token count of
 another, up to max_num_batched_tokens. Padding tokens write no K/V (slot -1); padding sequences have
-no tokens and no keys. Each graph reads its inputs from a flat tensor of its own, at fixed addresses:
-a step laid out by the graph's sizes is uploaded into it (ModelRunner.upload). The graphs
+no tokens and no keys. Each graph reads its inputs from a flat tensor of its own, at fixed
+addresses: a step laid out by the graph's sizes is uploaded into it (ModelRunner.upload). The graphs
 are captured largest first and share one memory pool.
 
 How much of a step a graph holds is the backend's to say (AttentionBackend.cudagraph_support):
-- a whole graph where the attention kernels take their grids from the graph's sizes and read from the
-  data which rows to run: the triton backend for any step, flash-attn's decode kernel for decodes;
+- a whole graph where the attention kernels take their grids from the graph's sizes and read from
+  the data which rows to run: the triton backend for any step, flash-attn's decode kernel for
+  decodes;
 - a piecewise graph otherwise (vLLM v1's piecewise mode): the layers between two attention calls are
   captured, and attention runs eagerly between the replays, with the step's own shapes (flash-attn's
   varlen kernel and sdpa take them from the host).
@@ -50,7 +51,8 @@ class PiecewiseGraph:
 
     def __init__(self, model, inputs: tuple, attns: list, q: torch.Tensor, out: torch.Tensor, pool):
         self.q, self.out, self.pool = q, out, pool
-        self.graphs, self.layers = [], []  # (attention layer, its backend) after each graph but the last
+        # layers: (attention layer, its backend) after each graph but the last
+        self.graphs, self.layers = [], []
         backends = [attn.backend for attn in attns]
         for attn in attns:
             attn.backend = self  # the stand-in that cuts (see forward)
@@ -97,22 +99,26 @@ class CUDAGraphs:
         config = runner.config
         max_tokens, max_seqs = config.max_num_batched_tokens, config.max_num_seqs
         largest_batch = min(max_seqs, max_tokens)
-        self.decode_sizes = sorted({s for s in (1, 2, 4, 8, *range(16, largest_batch, 16)) if s < largest_batch}
-                                   | {largest_batch})
+        ladder = (1, 2, 4, 8, *range(16, largest_batch, 16))
+        self.decode_sizes = sorted({s for s in ladder if s < largest_batch} | {largest_batch})
         self.token_sizes = token_ladder(max_tokens)
         support = runner.backend.cudagraph_support
-        if support != "always":  # where the pieces hand queries to attention and take its output back
+        # where the pieces hand queries to attention and take its output back
+        if support != "always":
             q = torch.empty(max_tokens, runner.backend.num_heads, config.hf_config["head_dim"],
                             dtype=config.torch_dtype, device=runner.device)
             out = torch.empty_like(q)
         self.graphs = {}
         pool = torch.cuda.graph_pool_handle()
         start, memory = time.perf_counter(), torch.cuda.memory_reserved(runner.device)
-        shapes = [("mixed", t) for t in self.token_sizes] + [("decode", s) for s in self.decode_sizes]
+        shapes = ([("mixed", t) for t in self.token_sizes]
+                  + [("decode", s) for s in self.decode_sizes])
         for kind, size in sorted(shapes, key=lambda shape: -shape[1]):
             sizes = self.sizes(kind, size, max_seqs, runner.max_blocks)
-            # the step's fields at fixed addresses, then room for its sampled rows (ModelRunner.upload)
-            inputs = torch.zeros(sum(field_sizes(*sizes)) + max_seqs, dtype=torch.int32, device=runner.device)
+            # the step's fields at fixed addresses, then room for its sampled rows
+            # (ModelRunner.upload)
+            inputs = torch.zeros(sum(field_sizes(*sizes)) + max_seqs, dtype=torch.int32,
+                                 device=runner.device)
             args = unpack(inputs, sizes, sizes, num_decodes=sizes[1])
             whole = support == "always" or (support == "decode" and kind == "decode")
             graph = (FullGraph(runner.model, args, pool) if whole else
@@ -135,5 +141,7 @@ class CUDAGraphs:
     def find(self, step):
         """The graph a step runs in: the smallest of its kind that holds it."""
         if step.num_decodes == len(step.context_lens):
-            return self.graphs["decode", next(s for s in self.decode_sizes if s >= step.num_decodes)]
-        return self.graphs["mixed", next(s for s in self.token_sizes if s >= len(step.input_ids))]
+            size = next(s for s in self.decode_sizes if s >= step.num_decodes)
+            return self.graphs["decode", size]
+        size = next(s for s in self.token_sizes if s >= len(step.input_ids))
+        return self.graphs["mixed", size]

@@ -19,6 +19,7 @@ import pickle
 import subprocess
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -41,8 +42,10 @@ class TPGroup:
     size: int
     device_group: dist.ProcessGroup  # NCCL on cuda, gloo on cpu: the model's all-reduces and gather
     cpu_group: dist.ProcessGroup     # gloo: rank 0's message of each step
-    idle: bool = False               # (rank 0) the workers are waiting for a step, so a message can reach them
-    graphs: dict = field(default_factory=dict)  # this rank's CUDA graphs, which captured device_group collectives
+    # (rank 0) the workers are waiting for a step, so a message can reach them
+    idle: bool = False
+    # this rank's CUDA graphs, which captured device_group collectives
+    graphs: dict = field(default_factory=dict)
 
     def send_step(self, step):
         """Rank 0: hand the workers the next forward pass (None: stop)."""
@@ -66,8 +69,8 @@ class TPGroup:
         return int(t)
 
     def close(self):
-        """Shut the groups down; every rank does it at once. NCCL frees a communicator only when the CUDA graphs
-        that captured its collectives are gone, so they go first."""
+        """Shut the groups down; every rank does it at once. NCCL frees a communicator only when the
+        CUDA graphs that captured its collectives are gone, so they go first."""
         self.graphs.clear()
         self.device_group.shutdown()
         self.cpu_group.shutdown()
@@ -81,8 +84,8 @@ class TPGroup:
 
 class TPModelRunner(ModelRunner):
     """One rank's model runner: its shard of the model (nanovllm/layers/tensor_parallel.py), the KV
-    blocks that fit on every rank (rank 0's one block manager hands them out for all), and, on rank 0,
-    each step sent to the other ranks, which run the same forward pass on their shards."""
+    blocks that fit on every rank (rank 0's one block manager hands them out for all), and, on rank
+    0, each step sent to the other ranks, which run the same forward pass on their shards."""
 
     def __init__(self, config, tp: TPGroup):
         self.tp = tp
@@ -111,15 +114,18 @@ class TPModelRunner(ModelRunner):
         return sampled
 
     def fill_placeholders(self, input_ids: torch.Tensor):
-        """Rank 0 holds the last step's tokens: it fills the ids and sends them to the other ranks."""
+        """Rank 0 holds the last step's tokens: it fills the ids and sends them to the other
+        ranks."""
         if self.tp.rank == 0:
             super().fill_placeholders(input_ids)
         self.tp.broadcast(input_ids)
 
 
 def _new_group(store: dist.Store, rank: int, size: int, device_type: str) -> dist.ProcessGroup:
-    """A process group of our own (not torch.distributed's global default): NCCL on cuda, else gloo."""
-    kind = dist.ProcessGroup.BackendType.NCCL if device_type == "cuda" else dist.ProcessGroup.BackendType.GLOO
+    """A process group of our own (not torch.distributed's global default): NCCL on cuda, else
+    gloo."""
+    backend_type = dist.ProcessGroup.BackendType
+    kind = backend_type.NCCL if device_type == "cuda" else backend_type.GLOO
     if device_type == "cuda":
         backend = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
         backend._set_sequence_number_for_group()
@@ -138,6 +144,18 @@ def join_group(store: dist.Store, rank: int, size: int, device_type: str) -> TPG
     return TPGroup(rank, size, device_group, cpu_group)
 
 
+def start_workers(engine) -> TPModelRunner:
+    """Rank 0's model runner, once ranks 1..N-1 run (each a process of its own). The engine's
+    `shutdown()`, the engine being collected or the program's exit stop them."""
+    engine.workers = Workers(engine.config)
+    engine.stop_workers = weakref.finalize(engine, engine.workers.shutdown)
+    try:
+        return TPModelRunner(engine.config, engine.workers.group)
+    except BaseException:
+        engine.stop_workers()
+        raise
+
+
 class Workers:
     """Rank 0's side: starts ranks 1..N-1, joins their group, and stops them."""
 
@@ -154,8 +172,9 @@ class Workers:
         self.group: TPGroup | None = None
         try:
             for rank in range(1, size):
-                self.procs.append(subprocess.Popen([sys.executable, "-m", "nanovllm.engine.tp_worker", str(rank),
-                                                    str(self.port), str(os.getpid())]))
+                cmd = [sys.executable, "-m", "nanovllm.engine.tp_worker", str(rank),
+                       str(self.port), str(os.getpid())]
+                self.procs.append(subprocess.Popen(cmd))
             self._wait_for_workers()
             self.group = join_group(self.store, 0, size, config.device)
         except BaseException:
@@ -168,15 +187,17 @@ class Workers:
         while self.store.add("started", 0) < len(self.procs):
             dead = [rank for rank, p in enumerate(self.procs, 1) if p.poll() is not None]
             if dead:
-                raise RuntimeError(f"tensor-parallel worker(s) of rank {dead} exited while starting; see their error above")
+                raise RuntimeError(f"tensor-parallel worker(s) of rank {dead} exited while "
+                                   "starting; see their error above")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT}")
+                raise RuntimeError("tensor-parallel workers did not start within "
+                                   f"{STARTUP_TIMEOUT}")
             time.sleep(0.01)
 
     def shutdown(self):
-        """Stop the workers: with a message if they wait for one, every rank then closing its groups at once (NCCL's
-        shutdown waits for all ranks); else by signal, the groups aborted (a worker in the middle of a step, or gone,
-        would never join a shutdown)."""
+        """Stop the workers: with a message if they wait for one, every rank then closing its groups
+        at once (NCCL's shutdown waits for all ranks); else by signal, the groups aborted (a worker
+        in the middle of a step, or gone, would never join a shutdown)."""
         group, self.group = self.group, None
         stopped = False
         if group is not None and group.idle:
@@ -198,7 +219,8 @@ class Workers:
                 except subprocess.TimeoutExpired:
                     continue
         self.procs = []
-        self.store = None  # the port is free once the model's layers, which hold the groups, are gone too
+        # the port is free once the model's layers, which hold the groups, are gone too
+        self.store = None
 
 
 def share_cpu_cores(size: int):
@@ -211,12 +233,15 @@ def check_tensor_parallel(config):
     """Every rank needs a GPU of its own and an equal share of the heads and of the MLP."""
     tp, cfg = config.tensor_parallel_size, config.hf_config
     if config.device == "cuda" and tp > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size={tp} but only {torch.cuda.device_count()} GPU(s) are visible")
+        raise ValueError(f"tensor_parallel_size={tp} but only {torch.cuda.device_count()} GPU(s) "
+                         "are visible")
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     if heads % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={heads}")
-    if kv_heads % tp and tp % kv_heads:  # fewer KV heads than ranks: each is replicated on tp // kv_heads ranks
-        raise ValueError(f"tensor_parallel_size={tp} must divide num_key_value_heads={kv_heads} or be a "
-                         "multiple of it")
+    # fewer KV heads than ranks: each is replicated on tp // kv_heads ranks
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"tensor_parallel_size={tp} must divide num_key_value_heads={kv_heads} "
+                         "or be a multiple of it")
     if cfg["intermediate_size"] % tp:
-        raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size={cfg['intermediate_size']}")
+        raise ValueError(f"tensor_parallel_size={tp} must divide "
+                         f"intermediate_size={cfg['intermediate_size']}")

@@ -8,12 +8,15 @@ from nanovllm.engine.sequence import Sequence, num_blocks_for
 from nanovllm.outputs import RequestMetrics
 from nanovllm.sampling_params import SamplingParams
 
+PROMPT_KEYS = {"prompt", "prompt_token_ids"}  # vLLM's prompt dicts
+
 
 def load_tokenizer(model: str):
     """The model directory's Hugging Face tokenizer; a ValueError if it has none."""
-    if not any(os.path.isfile(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise ValueError(f"model={model!r} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json); "
-                         "add one, or pass skip_tokenizer_init=True and give prompts as token ids")
+    files = ("tokenizer.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.isfile(os.path.join(model, f)) for f in files):
+        raise ValueError(f"model={model!r} has no tokenizer ({', '.join(files)}): add one, or pass "
+                         "skip_tokenizer_init=True and give prompts as token ids")
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(model)
 
@@ -29,24 +32,26 @@ class InputProcessor:
         ids, or vLLM's {"prompt": string} or {"prompt_token_ids": list}."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, dict) and len(prompt) == 1 and {"prompt", "prompt_token_ids"} & prompt.keys():
+            raise TypeError("sampling_params must be a SamplingParams, not "
+                            f"{type(params).__name__}")
+        if isinstance(prompt, dict) and len(prompt) == 1 and prompt.keys() & PROMPT_KEYS:
             prompt = next(iter(prompt.values()))
         text = prompt if isinstance(prompt, str) else None
         if self.tokenizer is None and (params.stop or text is not None):
             what = f"stop={params.stop}" if params.stop else "a text prompt"
-            raise ValueError(f"{what} needs the tokenizer: use token ids (stop_token_ids), or drop skip_tokenizer_init")
+            raise ValueError(f"{what} needs the tokenizer: use token ids (stop_token_ids), "
+                             "or drop skip_tokenizer_init")
         if text is not None:
             prompt = self.tokenizer.encode(text)
         if not isinstance(prompt, (list, tuple)) or not all(type(t) is int for t in prompt):
-            raise TypeError(f"a prompt must be a string, a list of token ids (int) or a dict with 'prompt' "
-                            f"or 'prompt_token_ids', not {type(prompt).__name__}")
+            raise TypeError("a prompt must be a string, a list of token ids (int) or a dict with "
+                            f"'prompt' or 'prompt_token_ids', not {type(prompt).__name__}")
         vocab, max_len = self.config.hf_config["vocab_size"], self.config.max_model_len
         if not prompt:
             raise ValueError("prompt is empty: it needs at least one token")
         if len(prompt) >= max_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len={max_len} leaves room for "
-                             f"prompts of at most {max_len - 1} (one position for a generated token)")
+            raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len={max_len} leaves "
+                             f"room for prompts of at most {max_len - 1} (one for a new token)")
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
@@ -56,12 +61,13 @@ class InputProcessor:
         if width > self.config.max_num_seqs:
             raise ValueError(f"the request runs {width} sequences at once (n or beam_width) but "
                              f"max_num_seqs={self.config.max_num_seqs}")
-        # the worst case: preempted by recomputation, its sequences share nothing but full prompt blocks
+        # the worst case: preempted and recomputed, its sequences share only full prompt blocks
         block_size = self.config.kvcache_block_size
         need = width * num_blocks_for(min(len(prompt) + params.max_tokens, max_len), block_size)
         if need > self.num_kvcache_blocks:
             raise ValueError(f"the request needs {need} KV-cache blocks but the whole cache has "
-                             f"{self.num_kvcache_blocks}; lower max_tokens (or n) or enlarge the cache")
+                             f"{self.num_kvcache_blocks}; lower max_tokens (or n), or enlarge the "
+                             "cache")
         seq = Sequence(prompt, params, block_size, max_len)
         seq.prompt, seq.metrics = text, RequestMetrics(time.monotonic())
         return seq

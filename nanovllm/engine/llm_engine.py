@@ -1,4 +1,5 @@
-"""The engine loop: `add_request` queues a request, `step` runs one iteration of continuous batching.
+"""The engine loop: `add_request` queues a request, `step` runs one iteration of continuous
+batching.
 
 A step schedules a batch (nanovllm/engine/scheduler.py) and launches it on the model runner, then
 reads the tokens of the step launched before it (run-ahead: nanovllm/engine/run_ahead.py) and hands
@@ -9,7 +10,6 @@ leaving a `with LLM(...)` block, or the engine being collected, or the program's
 """
 import gc
 import time
-import weakref
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
@@ -26,43 +26,43 @@ from nanovllm.sampling_params import SamplingParams
 class LLMEngine:
     def __init__(self, model: str, **options):
         self.config = config = Config.from_options(model, **options)
-        self.tokenizer = None
-        if not config.skip_tokenizer_init:
-            self.tokenizer = load_tokenizer(model)
-        self.workers = self._stop_workers = None
-        try:
-            if config.tensor_parallel_size > 1:
-                from nanovllm.engine.distributed import TPModelRunner, Workers
-                self.workers = Workers(config)  # ranks 1..N-1, each in a process of its own
-                self._stop_workers = weakref.finalize(self, self.workers.shutdown)  # also at exit
-                self.model_runner = TPModelRunner(config, self.workers.group)
-            else:
-                self.model_runner = ModelRunner(config)
-        except BaseException:
-            self.shutdown()
-            raise
+        tokenizer = config.tokenizer or model
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(tokenizer)
+        self.stop_workers = None  # tensor parallelism's worker processes, while they run
+        if config.tensor_parallel_size > 1:
+            from nanovllm.engine.distributed import start_workers
+            self.model_runner = start_workers(self)
+        else:
+            self.model_runner = ModelRunner(config)
         num_blocks = self.model_runner.kv_cache.shape[2]
-        self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
+        block_size, caching = config.kvcache_block_size, config.enable_prefix_caching
+        self.block_manager = BlockManager(num_blocks, block_size, caching)
         if config.kv_reservation is not None:  # the paper's Orca baselines: engine/reservation.py
             from nanovllm.engine.reservation import ReservingBlockManager
             self.block_manager = ReservingBlockManager(num_blocks, config)
         self.scheduler = Scheduler(config, self.block_manager)
         if config.preemption_mode == "swap":
             from nanovllm.engine.swap import Swapper
-            self.scheduler.swap = Swapper(self.block_manager, self.model_runner.swap_space.num_blocks)
+            swap_space = self.model_runner.swap_space
+            self.scheduler.swap = Swapper(self.block_manager, swap_space.num_blocks)
         self.input_processor = InputProcessor(config, self.tokenizer, num_blocks)
         self.output_processor = OutputProcessor(config, self.tokenizer)
         self.model_runner.eos_token_ids = self.output_processor.eos_token_ids
         self.requests: dict[int | str, Sequence] = {}  # request id -> root sequence, until it ends
         self.in_flight: tuple[ScheduledBatch, SampledTokens] | None = None  # launched, not read yet
         self.held: list[RequestOutput] = []  # outputs a caller's generate() did not ask for
+        self.tracer = None  # a Trace (nanovllm/trace.py) while one is open: sees every step
 
     def shutdown(self):
-        """Stop the tensor-parallel workers and free the model, its KV cache and the rendezvous port."""
-        if self._stop_workers is not None:
-            self._stop_workers()  # runs Workers.shutdown once
+        """Stop the tensor-parallel workers and free the model, its KV cache and the rendezvous
+        port."""
+        if self.stop_workers is not None:
+            self.stop_workers()  # runs Workers.shutdown once
+        if self.model_runner is not None:  # free the pools now, even if the model outlives us
+            self.model_runner.graphs = None
+            self.model_runner.kv_cache.allocate(0)
         self.model_runner = self.in_flight = None
-        gc.collect()  # the model's modules hold reference cycles: free their memory (and groups) now
+        gc.collect()  # the model's modules hold reference cycles: free their memory now
 
     def __enter__(self):
         return self
@@ -81,7 +81,7 @@ class LLMEngine:
     def _queue(self, seq: Sequence, request_id: int | str | None = None) -> int | str:
         seq.request_id = seq.seq_id if request_id is None else request_id
         self.requests[seq.request_id] = seq
-        self.scheduler.add(seq)
+        self.scheduler.waiting.append(seq)
         return seq.request_id
 
     def abort_request(self, request_id: int | str) -> bool:
@@ -96,12 +96,13 @@ class LLMEngine:
             while seq.token_ids[-1] < 0:  # placeholders of steps in flight: never filled now
                 seq.token_ids.pop()
         self.scheduler.finish(live)
+        self.held = [out for out in self.held if out.request_id != request_id]  # nothing more of it
         root.metrics.finished_time = time.monotonic()
         return True
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: a RequestOutput for each request that got new tokens (its text and tokens so
-        far, or only the new ones with output_kind="delta", or only at its end with "final").
+        """One iteration: a RequestOutput for each request that got new tokens (its text and tokens
+        so far, or only the new ones with output_kind="delta", or only at its end with "final").
 
         The engine runs one step ahead: it launches a step before it reads the tokens of the step
         before (the new step takes them on the device), so the GPU does not wait while the host
@@ -113,6 +114,8 @@ class LLMEngine:
         if self.scheduler.has_unfinished():
             batch = self.scheduler.schedule()
             if batch.seqs:
+                if self.tracer is not None:
+                    self.tracer.on_step(batch)
                 launched = batch, self.model_runner.run(batch)
                 self.output_processor.started(batch)
         previous, self.in_flight = self.in_flight, launched
@@ -139,7 +142,8 @@ class LLMEngine:
         return not self.scheduler.has_unfinished() and self.in_flight is None and not self.held
 
     def get_stats(self) -> dict:
-        """Requests running, waiting and swapped out; KV blocks used and in all; the prefix cache's hit
-        rate (prompt tokens served from it); preemptions; prompt tokens computed and tokens generated."""
+        """Requests running, waiting and swapped out; KV blocks used and in all; the prefix cache's
+        hit rate (prompt tokens served from it); preemptions; prompt tokens computed and tokens
+        generated."""
         from nanovllm.engine.stats import engine_stats
         return engine_stats(self)

@@ -2,8 +2,8 @@
 
 The engine may use gpu_memory_utilization of the GPU. The weights are loaded; what else a step needs
 at its peak is measured by running the largest prefill and the largest sampling batch once, with a
-one-block cache to write into. The blocks get what is left. Every rank of tensor parallelism runs it,
-meeting the others in the model's collectives.
+one-block cache to write into. The blocks get what is left. Every rank of tensor parallelism runs
+it, meeting the others in the model's collectives.
 """
 import logging
 
@@ -25,22 +25,28 @@ def num_blocks_that_fit(runner) -> int:
     length = min(config.max_model_len, config.max_num_batched_tokens)
     num_seqs = max(1, min(config.max_num_batched_tokens // length, config.max_num_seqs))
     cu = list(range(0, length * num_seqs + 1, length))
-    table = [0] * num_blocks_for(length, config.kvcache_block_size)  # every token writes into block 0
+    # every token writes into block 0
+    table = [0] * num_blocks_for(length, config.kvcache_block_size)
     slots = [p % config.kvcache_block_size for p in range(length)]
     runner.execute(StepInputs([0] * cu[-1], list(range(length)) * num_seqs, slots * num_seqs, cu,
-                              [length] * num_seqs, [table] * num_seqs, 0, [end - 1 for end in cu[1:]]))
+                              [length] * num_seqs, [table] * num_seqs, 0,
+                              [end - 1 for end in cu[1:]]))
     logits = torch.randn(config.max_num_seqs, config.hf_config["vocab_size"], device=device)
-    for params in (SamplingParams(top_p=0.9), SamplingParams()):  # top-p's sort is the sampler's peak
-        sample(logits, runner.sampling_tensors([(Sequence([0], params, 1), 0)] * config.max_num_seqs))
+    # top-p's sort is the sampler's peak
+    for params in (SamplingParams(top_p=0.9), SamplingParams()):
+        rows = [(Sequence([0], params, 1), 0)] * config.max_num_seqs
+        sample(logits, runner.sampling_tensors(rows))
     kv_cache.allocate(0)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     stats = torch.cuda.memory_stats(device)
     transient = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
-    num_blocks = int((total * config.gpu_memory_utilization - (total - free) - transient) // kv_cache.block_bytes)
+    available = total * config.gpu_memory_utilization - (total - free) - transient
+    num_blocks = int(available // kv_cache.block_bytes)
     if num_blocks < 1:
-        raise ValueError(f"no memory left for the KV cache (a block takes {kv_cache.block_bytes / 2**20:.1f} MiB): "
-                         "raise gpu_memory_utilization or lower max_num_batched_tokens / max_num_seqs")
+        raise ValueError("no memory left for the KV cache (a block takes "
+                         f"{kv_cache.block_bytes / 2**20:.1f} MiB): raise gpu_memory_utilization "
+                         "or lower max_num_batched_tokens / max_num_seqs")
     logger.info("KV cache: %d blocks of %d tokens, %.2f GiB", num_blocks, config.kvcache_block_size,
                 num_blocks * kv_cache.block_bytes / 2**30)
     return num_blocks

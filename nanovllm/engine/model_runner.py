@@ -3,9 +3,9 @@
 It owns the model, its attention backend, the KV cache (engine/kv_cache.py) and, on CUDA, the CUDA
 graphs (engine/cuda_graphs.py). A step crosses from the CPU side to the GPU side in three moves:
 `step_inputs` turns the scheduler's batch into plain lists (StepInputs: all that a tensor-parallel
-worker receives), `upload` copies them to the device as one flat tensor, and `execute` runs the model
-and returns the logits of the rows that sample. `run` (rank 0) also samples, and returns before the
-GPU is done (engine/run_ahead.py).
+worker receives), `upload` copies them to the device as one flat tensor, and `execute` runs the
+model and returns the logits of the rows that sample. `run` (rank 0) also samples, and returns
+before the GPU is done (engine/run_ahead.py).
 """
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -40,9 +40,10 @@ class StepInputs:
     @property
     def sizes(self) -> tuple[int, int, int, int]:
         """Tokens, sequences, query tiles and block table width of this step."""
-        num_tiles = sum(-(-(b - a) // QUERY_TILE) for a, b in zip(self.cu_seqlens_q[self.num_decodes:],
-                                                                   self.cu_seqlens_q[self.num_decodes + 1:]))
-        return len(self.input_ids), len(self.context_lens), num_tiles, max(map(len, self.block_tables))
+        cu = self.cu_seqlens_q[self.num_decodes:]
+        num_tiles = sum(-(-(b - a) // QUERY_TILE) for a, b in zip(cu, cu[1:]))
+        width = max(map(len, self.block_tables))
+        return len(self.input_ids), len(self.context_lens), num_tiles, width
 
 
 def step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
@@ -52,8 +53,9 @@ def step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
     for seq, start, n, k in zip(batch.seqs, batch.starts, batch.num_new_tokens, batch.num_samples):
         step.input_ids += seq.token_ids[start:start + n]
         step.positions += range(start, start + n)
-        if n == 1:  # a decode: the slot of its one token, without a function call (hundreds per step)
-            step.slot_mapping.append(seq.block_table[start // block_size] * block_size + start % block_size)
+        if n == 1:  # a decode: its one slot, without a function call (hundreds per step)
+            block = seq.block_table[start // block_size]
+            step.slot_mapping.append(block * block_size + start % block_size)
         else:
             step.slot_mapping += slot_mapping(seq.block_table, start, start + n, block_size)
         step.cu_seqlens_q.append(step.cu_seqlens_q[-1] + n)
@@ -63,16 +65,18 @@ def step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
 
 
 def field_sizes(num_tokens: int, num_seqs: int, num_tiles: int, width: int) -> list[int]:
-    """Sizes of the fields of a step's upload: token ids, positions, slots, cu_seqlens_q, cu_seqlens_k,
-    context_lens, query tiles, block tables; each rounded up to 16 bytes (Triton compiles a kernel once
-    per alignment of its pointers: keep it to one)."""
+    """Sizes of the fields of a step's upload: token ids, positions, slots, cu_seqlens_q,
+    cu_seqlens_k, context_lens, query tiles, block tables; each rounded up to 16 bytes (Triton
+    compiles a kernel once per alignment of its pointers: keep it to one)."""
     sizes = [num_tokens] * 3 + [num_seqs + 1] * 2 + [num_seqs, 2 * num_tiles, num_seqs * width]
     return [size + -size % 4 for size in sizes]
 
 
-def unpack(flat: torch.Tensor, layout: tuple, lengths: tuple, num_decodes: int, step: StepInputs | None = None):
-    """Token ids, positions and attention metadata of `lengths` (tokens, sequences, tiles, table width):
-    views of a flat upload laid out by `layout` (the same sizes, or a CUDA graph's, padded)."""
+def unpack(flat: torch.Tensor, layout: tuple, lengths: tuple, num_decodes: int,
+           step: StepInputs | None = None):
+    """Token ids, positions and attention metadata of `lengths` (tokens, sequences, tiles, table
+    width): views of a flat upload laid out by `layout` (the same sizes, or a CUDA graph's,
+    padded)."""
     sizes = field_sizes(*layout)
     ids, positions, slots, cu_q, cu_k, lens, tiles, tables = flat[:sum(sizes)].split(sizes)
     n, num_seqs, num_tiles, width = lengths
@@ -85,11 +89,12 @@ def unpack(flat: torch.Tensor, layout: tuple, lengths: tuple, num_decodes: int, 
 
 class ModelRunner:
     def __init__(self, config, device: torch.device | None = None):
-        """Build the model, its KV cache and, on CUDA, its CUDA graphs. (Tensor parallelism builds one
-        shard per rank: TPModelRunner, nanovllm/engine/distributed.py.)"""
+        """Build the model, its KV cache and, on CUDA, its CUDA graphs. (Tensor parallelism builds
+        one shard per rank: TPModelRunner, nanovllm/engine/distributed.py.)"""
         self.config = config
-        self.device = device or torch.device("cuda" if config.device == "cuda" else "cpu")
-        if self.device.type == "cuda":
+        self.device = device or torch.device("cuda:0" if config.device == "cuda" else "cpu")
+        self.pin = self.device.type == "cuda"  # host buffers pinned: copies that do not wait
+        if self.pin:
             torch.cuda.set_device(self.device)
         self.block_size = config.kvcache_block_size
         cfg = config.hf_config
@@ -119,7 +124,8 @@ class ModelRunner:
             self.graphs = CUDAGraphs(self)
 
     def heads(self) -> tuple[int, int]:
-        return self.config.hf_config["num_attention_heads"], self.config.hf_config["num_key_value_heads"]
+        cfg = self.config.hf_config
+        return cfg["num_attention_heads"], cfg["num_key_value_heads"]
 
     def build_model(self) -> torch.nn.Module:
         return model_class(self.config.hf_config)(self.config.hf_config, self.backend).eval()
@@ -133,28 +139,30 @@ class ModelRunner:
         from nanovllm.engine.memory_profile import num_blocks_that_fit
         return num_blocks_that_fit(self)
 
-    def upload(self, step: StepInputs, sizes: tuple[int, int, int, int], into: torch.Tensor | None = None):
-        """The step's int32 fields in one flat tensor on the device (one copy; into `into`, a CUDA graph's
-        inputs, if given), laid out by `sizes` (tokens, sequences, query tiles, table width), which may pad
-        it (to a graph's sizes): padding tokens write nowhere (slot -1), padding sequences have no tokens
-        and no keys, padding tiles no sequence. The sampled rows' token indices follow."""
+    def upload(self, step: StepInputs, sizes: tuple, into: torch.Tensor | None = None):
+        """The step's int32 fields in one flat tensor on the device (one copy; into `into`, a CUDA
+        graph's inputs, if given), laid out by `sizes` (tokens, sequences, query tiles, table
+        width), which may pad it (to a graph's sizes): padding tokens write nowhere (slot -1),
+        padding sequences have no tokens and no keys, padding tiles no sequence. The sampled rows'
+        token indices follow."""
         width = sizes[3]
         cu_k = list(accumulate(step.context_lens, initial=0))
-        fields = [step.input_ids, step.positions, step.slot_mapping, step.cu_seqlens_q, cu_k, step.context_lens,
-                  query_tiles(step.cu_seqlens_q, step.num_decodes),
+        fields = [step.input_ids, step.positions, step.slot_mapping, step.cu_seqlens_q, cu_k,
+                  step.context_lens, query_tiles(step.cu_seqlens_q, step.num_decodes),
                   [b for table in step.block_tables for b in table + [0] * (width - len(table))]]
+        pads = [0, 0, -1, step.cu_seqlens_q[-1], cu_k[-1], 0, -1, 0]
         flat = []
-        for field_, size, pad in zip(fields, field_sizes(*sizes), [0, 0, -1, step.cu_seqlens_q[-1], cu_k[-1], 0, -1, 0]):
-            flat += field_ + [pad] * (size - len(field_))
-        pinned = torch.tensor(flat + step.sample_rows, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        for values, size, pad in zip(fields, field_sizes(*sizes), pads):
+            flat += values + [pad] * (size - len(values))
+        pinned = torch.tensor(flat + step.sample_rows, dtype=torch.int32, pin_memory=self.pin)
         if into is None:
             return pinned.to(self.device, non_blocking=True)
         return into[:pinned.numel()].copy_(pinned, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> torch.Tensor | None:
-        """One forward pass, on every rank: the logits [rows, vocab] of the rows that sample (None on
-        ranks other than 0). Block copies first: swap in, swap out, copy-on-write."""
+        """One forward pass, on every rank: the logits [rows, vocab] of the rows that sample (None
+        on ranks other than 0). Block copies first: swap in, swap out, copy-on-write."""
         if self.swap_space is not None:
             self.swap_space.move(step.swap_in, step.swap_out)
         self.kv_cache.copy_blocks(step.copies)
@@ -176,16 +184,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> SampledTokens:
-        """Launch one step of the batch and its sampling, without waiting for the GPU: the next token
-        of each sample row (a row per sampling sequence, n rows for the prompt of a new n-sample
-        request) and, when asked, their log-probabilities (which do wait)."""
+        """Launch one step of the batch and its sampling, without waiting for the GPU: the next
+        token of each sample row (a row per sampling sequence, n rows for the prompt of a new
+        n-sample request) and, when asked, their log-probabilities (which do wait)."""
         logits = self.execute(self.step_inputs(batch))
-        rows = [(seq, seq.sample_index + j) for seq, k in zip(batch.seqs, batch.num_samples) for j in range(k)]
+        rows = [(seq, seq.sample_index + j)
+                for seq, k in zip(batch.seqs, batch.num_samples) for j in range(k)]
         scores = logits
         if any(seq.params.penalized for seq, _ in rows):
             from nanovllm.layers import penalties
-            scores = penalties.apply(logits, rows, [p for _, _, p in batch.sampled], self.eos_token_ids,
-                                     self.last_tokens)
+            positions = [p for _, _, p in batch.sampled]
+            scores = penalties.apply(logits, rows, positions, self.eos_token_ids, self.last_tokens)
         self.last_tokens = token_ids = sample(scores, self.sampling_tensors(rows))
         top = None
         if any(seq.params.logprobs is not None for seq, _ in rows):
@@ -194,15 +203,17 @@ class ModelRunner:
         return SampledTokens(token_ids, top)
 
     def sampling_tensors(self, rows: list[tuple[Sequence, int]]) -> SamplingTensors:
-        """Per-row settings of (sequence, sample index) rows; truncation only where some row asks."""
+        """Per-row settings of (sequence, sample index) rows; truncation only where some row
+        asks."""
         params = [seq.params for seq, _ in rows]
         temperatures = [0.0 if p.greedy else p.temperature for p in params]
-        pinned = torch.tensor(temperatures, dtype=torch.float32, pin_memory=self.device.type == "cuda")
+        pinned = torch.tensor(temperatures, dtype=torch.float32, pin_memory=self.pin)
         truncation = None
         if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
             from nanovllm.layers.truncation import Truncation
             truncation = Truncation.of(params, self.config.hf_config["vocab_size"], self.device)
-        seeds = [(i, hash((p.seed, k, len(seq))) & (2**63 - 1))
-                 for i, (p, (seq, k)) in enumerate(zip(params, rows)) if p.seed is not None and not p.greedy]
+        seeds = [(i, hash((p.seed, k, len(seq))) & (2**63 - 1))  # ints: the same in every process
+                 for i, (p, (seq, k)) in enumerate(zip(params, rows))
+                 if p.seed is not None and not p.greedy]
         return SamplingTensors(pinned.to(self.device, non_blocking=True), seeds,
                                all(t == 0 for t in temperatures), truncation)

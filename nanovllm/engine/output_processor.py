@@ -37,7 +37,8 @@ class OutputProcessor:
                 self.num_cached_tokens += seq.num_cached_tokens
 
     def outputs(self, new_tokens: list[tuple[Sequence, int]]) -> list[RequestOutput]:
-        """The outputs of the requests that got new tokens (those that report at each step, or ended)."""
+        """The outputs of the requests that got new tokens (those that report at each step, or
+        ended)."""
         self.num_generation_tokens += len(new_tokens)
         now, roots = time.monotonic(), {}
         for seq, _ in new_tokens:
@@ -91,13 +92,15 @@ class OutputProcessor:
                 text = text[:text.find(seq.stop_reason)]
         if seq.params.output_kind != "final":
             text, token_ids, before = self.stream(seq).report(seq, text)
-        out = CompletionOutput(index, text, token_ids, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+        out = CompletionOutput(index, text, token_ids, finish_reason=seq.finish_reason,
+                               stop_reason=seq.stop_reason)
         if seq.params.logprobs is not None:
             out.logprobs, out.cumulative_logprob = seq.logprobs[before:], seq.cumulative_logprob
         return out
 
     def output(self, root: Sequence) -> RequestOutput:
         """The request's output: each sample (all its sequences, for n > 1), finished or so far."""
-        return RequestOutput(root.request_id, root.prompt, root.prompt_token_ids,
-                             [self.completion(seq, i) for i, seq in enumerate(root.group)],
-                             all(seq.is_finished for seq in root.group), root.num_cached_tokens, root.metrics)
+        samples = [self.completion(seq, i) for i, seq in enumerate(root.group)]
+        finished = all(seq.is_finished for seq in root.group)
+        return RequestOutput(root.request_id, root.prompt, root.prompt_token_ids, samples, finished,
+                             root.num_cached_tokens, root.metrics)

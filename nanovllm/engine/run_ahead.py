@@ -1,5 +1,5 @@
-"""Run-ahead (vLLM's async scheduling): the engine launches step t+1 before it reads step t's tokens,
-so the GPU does not wait while the host schedules.
+"""Run-ahead (vLLM's async scheduling): the engine launches step t+1 before it reads step t's
+tokens, so the GPU does not wait while the host schedules.
 
 A token that step t samples is unknown on the host when step t+1 is scheduled. It stands in its
 sequence as a placeholder, -(r + 1) for row r of step t's samples. Step t+1's inputs may hold
@@ -16,13 +16,15 @@ def placeholder(row: int) -> int:
 
 
 def fill_placeholders(input_ids: torch.Tensor, last_tokens: torch.Tensor):
-    """Replace (in place) each placeholder in input_ids by the token the last step sampled at its row."""
+    """Replace (in place) each placeholder in input_ids by the token the last step sampled at its
+    row."""
     rows = (-input_ids - 1).clamp(min=0)
     torch.where(input_ids < 0, last_tokens[rows].to(input_ids.dtype), input_ids, out=input_ids)
 
 
 class SampledTokens:
-    """A launched step's sampled token ids on their way to the host (and their log-probabilities)."""
+    """A launched step's sampled token ids on their way to the host (and their
+    log-probabilities)."""
 
     def __init__(self, token_ids: torch.Tensor, logprobs: list | None):
         self.host, self.ready, self.logprobs = token_ids, None, logprobs

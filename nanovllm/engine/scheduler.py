@@ -1,21 +1,23 @@
-"""The scheduler: iteration-level (continuous) batching, one kind of step (vLLM v1's unified scheduler,
-Sarathi-Serve's stall-free batching).
+"""The scheduler: iteration-level (continuous) batching, one kind of step (vLLM v1's unified
+scheduler, Sarathi-Serve's stall-free batching).
 
-A step has a budget of max_num_batched_tokens new tokens. It takes the running sequences first, oldest
-first: a decode computes its one pending token, a prompt being prefilled in chunks its next chunk. New
-requests then fill what is left, first come first served; a prompt longer than what is left is cut, and
-its next chunk runs in the next step. So a long prompt never stalls the decodes: they share its steps.
-With prefill_first=True (vLLM v0's order) a step that can prefill runs only prefills, and decodes wait.
+A step has a budget of max_num_batched_tokens new tokens. It takes the running sequences first,
+oldest first: a decode computes its one pending token, a prompt being prefilled in chunks its next
+chunk. New requests then fill what is left, first come first served; a prompt longer than what is
+left is cut, and its next chunk runs in the next step. So a long prompt never stalls the decodes:
+they share its steps. With prefill_first=True (vLLM v0's order) a step that can prefill runs only
+prefills, and decodes wait.
 
-The sequences of one request (parallel samples, the beams of a beam search) form a group, admitted and
-preempted as a whole. When a running group finds no free block, the newest running group is preempted:
-its blocks are freed and it goes back to the front of the waiting queue, to be recomputed (its prefix
-may still be in the cache), or with preemption_mode="swap" its blocks move to a CPU pool
+The sequences of one request (parallel samples, the beams of a beam search) form a group, admitted
+and preempted as a whole. When a running group finds no free block, the newest running group is
+preempted: its blocks are freed and it goes back to the front of the waiting queue, to be recomputed
+(its prefix may still be in the cache), or with preemption_mode="swap" its blocks move to a CPU pool
 (nanovllm/engine/swap.py). The block copies a step needs travel in its batch to the model runner.
 
 `schedule` records each step's progress at once, with a placeholder for every token it samples (the
-engine launches the step before the tokens of the step before are known: nanovllm/engine/run_ahead.py);
-`update` puts the tokens in place when they arrive and frees the sequences that end.
+engine launches the step before the tokens of the step before are known:
+nanovllm/engine/run_ahead.py); `update` puts the tokens in place when they arrive and frees the
+sequences that end.
 """
 from collections import deque
 from dataclasses import dataclass, field
@@ -46,9 +48,9 @@ class ScheduledBatch:
 
 
 def runnable(seq: Sequence, decodes: bool) -> bool:
-    """Whether the sequence has a token to compute (with decodes=False: one that is not a decode, i.e.
-    not only the token it sampled last). One whose pending token is its last (it reached max_tokens
-    or max_model_len) has none: `update` ends it when the token arrives."""
+    """Whether the sequence has a token to compute (with decodes=False: one that is not a decode,
+    i.e. not only the token it sampled last). One whose pending token is its last (it reached
+    max_tokens or max_model_len) has none: `update` ends it when the token arrives."""
     num_tokens = len(seq.token_ids)
     if num_tokens - seq.num_computed_tokens != 1 or num_tokens == seq.num_prompt_tokens:
         return seq.num_computed_tokens < num_tokens
@@ -57,17 +59,12 @@ def runnable(seq: Sequence, decodes: bool) -> bool:
 
 class Scheduler:
     def __init__(self, config, block_manager: BlockManager):
-        self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.prefill_first = config.prefill_first
+        self.config = config
         self.block_manager = block_manager
         self.swap = None  # a Swapper (nanovllm/engine/swap.py) with preemption_mode="swap"
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
-
-    def add(self, seq: Sequence):
-        self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or (self.swap and self.swap.swapped))
@@ -75,12 +72,12 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """The next step's sequences, with their progress recorded."""
         batch = ScheduledBatch()
-        self.budget = self.max_num_batched_tokens
+        self.budget = self.config.max_num_batched_tokens
         if self.swap is not None:
             self.swap.swap_in(self, batch)
-        self._schedule_running(batch, decodes=not self.prefill_first)
+        self._schedule_running(batch, decodes=not self.config.prefill_first)
         self._schedule_waiting(batch)
-        if self.prefill_first and not batch.seqs:  # nothing to prefill: a decode step
+        if self.config.prefill_first and not batch.seqs:  # nothing to prefill: a decode step
             self._schedule_running(batch, decodes=True)
         self._record(batch)
         return batch
@@ -108,7 +105,8 @@ class Scheduler:
             seqs = [s for s in group if runnable(s, decodes)]
             if not seqs or self.budget < len(seqs):
                 continue
-            while self.block_manager.num_blocks_to_append(seqs) > self.block_manager.num_free_blocks:
+            blocks = self.block_manager
+            while blocks.num_blocks_to_append(seqs) > blocks.num_free_blocks:
                 victim = groups.pop() if groups else kept.pop()
                 self.preempt(victim, batch)
                 if victim is group:
@@ -124,17 +122,17 @@ class Scheduler:
         free blocks last (swapped groups come back before anything new takes blocks)."""
         while self.waiting and self.budget > 0 and not (self.swap and self.swap.swapped):
             seq = self.waiting[0]
-            fresh = len(seq.group) == 1  # a new request: an n-sample one (or a beam search) forks later
-            if len(self.running) + (max(seq.params.n, seq.beam_width) if fresh else 1) > self.max_num_seqs:
+            width = max(seq.params.n, seq.beam_width) if len(seq.group) == 1 else 1  # forks later
+            if len(self.running) + width > self.config.max_num_seqs:
                 break
-            if not seq.block_table and not self._allocate(seq):
+            if not seq.block_table and not self.allocate(seq):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._add(batch, seq)
 
-    def _allocate(self, seq: Sequence) -> bool:
+    def allocate(self, seq: Sequence) -> bool:
         if len(seq.group) == 1:
             return self.block_manager.allocate(seq)
         from nanovllm.engine.sharing import allocate_group  # a group of samples or beams
@@ -144,29 +142,25 @@ class Scheduler:
         """Order the batch (one-token sequences first, longest context first: the attention kernels
         finish with the short ones) and record its progress, with a placeholder for each sampled
         token; the other samples of a new n-sample request fork now, each with its own row."""
-        decodes = sorted((s for s, n in zip(batch.seqs, batch.num_new_tokens) if n == 1), key=len, reverse=True)
-        chunks = [(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 1]
-        batch.seqs = decodes + [s for s, _ in chunks]
-        batch.num_new_tokens = [1] * len(decodes) + [n for _, n in chunks]
-        row = 0
+        pairs = list(zip(batch.seqs, batch.num_new_tokens))
+        decodes = sorted((s for s, n in pairs if n == 1), key=len, reverse=True)
+        batch.seqs = decodes + [s for s, n in pairs if n > 1]
+        batch.num_new_tokens = [1] * len(decodes) + [n for _, n in pairs if n > 1]
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             batch.starts.append(seq.num_computed_tokens)
             seq.num_computed_tokens += n
             position = len(seq.token_ids)
-            k = 0
-            if seq.num_computed_tokens == position:  # the last known token: it samples
-                samples = [seq]
-                if len(seq.group) == 1 and seq.params.n > 1:  # a new request's other samples fork now
-                    from nanovllm.engine.sharing import fork
-                    samples += [fork(seq, self.block_manager) for _ in range(seq.params.n - 1)]
-                    self.running.extend(samples[1:])
-                k = len(samples)
-                for j, sample in enumerate(samples):
-                    batch.sampled.append((sample, row + j, position))
-                    if not sample.beam_width:  # a beam gets candidates instead
-                        sample.token_ids.append(placeholder(row + j))
-            batch.num_samples.append(k)
-            row += k
+            samples = [seq] if seq.num_computed_tokens == position else []  # at its last token
+            if samples and len(seq.group) == 1 and seq.params.n > 1:  # the other samples fork now
+                from nanovllm.engine.sharing import fork
+                samples += [fork(seq, self.block_manager) for _ in range(seq.params.n - 1)]
+                self.running.extend(samples[1:])
+            for sample in samples:
+                row = len(batch.sampled)
+                batch.sampled.append((sample, row, position))
+                if not sample.beam_width:  # a beam gets candidates instead
+                    sample.token_ids.append(placeholder(row))
+            batch.num_samples.append(len(samples))
 
     def preempt(self, group: list[Sequence], batch: ScheduledBatch):
         """Preempt a running group as a whole: swap it out (swap mode, while the CPU pool has room),

@@ -24,11 +24,13 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """The KV-cache slots of positions start..end-1: a token's block's first slot plus its offset."""
+    """The KV-cache slots of positions start..end-1: a token's block's first slot plus its
+    offset."""
     slots = []
     for b in range(start // block_size, (end - 1) // block_size + 1):  # a run of slots per block
         first = block_table[b] * block_size
-        slots += range(first + max(start - b * block_size, 0), first + min(end - b * block_size, block_size))
+        offset = b * block_size
+        slots += range(first + max(start - offset, 0), first + min(end - offset, block_size))
     return slots
 
 
@@ -55,10 +57,10 @@ class Sequence:
         self.request_id: int | str = self.seq_id  # the root's: the request's id, prompt and timings
         self.prompt, self.prompt_token_ids, self.metrics = None, list(token_ids), None
         self.group: list[Sequence] = [self]  # the request's sequences; [0] is the root
-        self.sample_index = 0   # which sample of the request (seeds its sampler with the request's seed)
+        self.sample_index = 0   # which sample of the request (seeds its sampler with the seed)
         self.beam_width = 0     # > 0: a beam; the engine reports candidates, beam search appends
         self.candidates: dict[int, float] | None = None  # a beam's next tokens -> log-probability
-        self.logprobs: list[dict[int, float]] = []  # per generated token, when params.logprobs is set
+        self.logprobs: list[dict[int, float]] = []  # per generated token, if params.logprobs
         self.cumulative_logprob = 0.0
 
     def __len__(self):

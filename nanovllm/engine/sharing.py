@@ -9,14 +9,15 @@ waiting for a sibling that no longer fits. A request with one sequence never imp
 from copy import copy
 
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import Sequence, SequenceStatus, num_blocks_for
 
 
 def fork(parent: Sequence, block_manager: BlockManager) -> Sequence:
     """A new member of the parent's group that shares all its blocks."""
     child = copy(parent)
     child.seq_id, child.sample_index = next(Sequence._ids), len(parent.group)
-    child.token_ids, child.logprobs, child.stream = list(parent.token_ids), list(parent.logprobs), None
+    child.token_ids, child.logprobs = list(parent.token_ids), list(parent.logprobs)
+    child.stream = None
     for block_id in parent.block_table:
         block_manager.blocks[block_id].ref_count += 1
     child.block_table = list(parent.block_table)
@@ -25,8 +26,15 @@ def fork(parent: Sequence, block_manager: BlockManager) -> Sequence:
 
 
 def allocate_group(block_manager: BlockManager, seq: Sequence) -> bool:
-    """Blocks for all the waiting members of the sequence's group, or for none."""
+    """Blocks for all the waiting members of the sequence's group, or for none. The count comes
+    first, so a group that does not fit takes no block (taking one may evict a cached prefix)."""
     members = [s for s in seq.group if s.status == SequenceStatus.WAITING and not s.block_table]
+    hits = [block_manager._cached_prefix(member) for member in members]
+    free_hits = {b for h in hits for b in h if block_manager.blocks[b].ref_count == 0}
+    need = sum(num_blocks_for(len(m), block_manager.block_size) - len(h)
+               for m, h in zip(members, hits)) + len(free_hits)
+    if need > block_manager.num_free_blocks:
+        return False
     for i, member in enumerate(members):
         if not block_manager.allocate(member):
             for done in members[:i]:

@@ -37,19 +37,21 @@ class Stream:
         """The first stop string in the text up to token `end` that the text so far did not hold."""
         old = len(self.text)
         text = self.extend(seq, end)
-        hits = [(i, s) for s in seq.params.stop if (i := text.find(s, max(0, old - len(s) + 1))) >= 0]
+        hits = [(i, s) for s in seq.params.stop
+                if (i := text.find(s, max(0, old - len(s) + 1))) >= 0]
         return min(hits)[1] if hits else None
 
     def report(self, seq: Sequence, final_text: str | None) -> tuple[str, list[int], int]:
         """(text, token ids, number of tokens reported before) for an output: everything so far with
-        output_kind "cumulative", only what is new with "delta". final_text: the ended sequence's."""
+        output_kind "cumulative", only what is new with "delta". final_text: the ended
+        sequence's."""
         end = len(seq.token_ids)
         while seq.token_ids[end - 1] < 0:  # a placeholder of a step in flight (run_ahead.py)
             end -= 1
         text = final_text
         if text is None:  # still running: hold back what may become a stop string
             text = self.extend(seq, end)
-            text = text[:len(text) - max(map(len, seq.params.stop), default=1) + 1]
+            text = text[:max(0, len(text) - max(map(len, seq.params.stop), default=1) + 1)]
         chars, tokens = (self.num_reported_chars, self.num_reported_tokens) \
             if seq.params.output_kind == "delta" else (0, 0)
         self.num_reported_chars, self.num_reported_tokens = len(text), end - seq.num_prompt_tokens

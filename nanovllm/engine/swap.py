@@ -3,10 +3,10 @@ CPU blocks and come back later, instead of being recomputed.
 
 `Swapper` is the scheduler's side: a CPU block pool with reference counts (a block shared inside the
 group moves once, and sharing is restored when it comes back), the swapped groups oldest first, and
-each swapped sequence's CPU block table. Swapped groups come back before any new request is admitted,
-as soon as their blocks and the blocks their next step appends fit. When the CPU pool is full, the
-group is recomputed instead. `SwapSpace` is the model runner's side: the CPU tensor (pinned on CUDA)
-and the copies of each step, one batched index copy per direction over all layers.
+each swapped sequence's CPU block table. Swapped groups come back before any new request is
+admitted, as soon as their blocks and the blocks their next step appends fit. When the CPU pool is
+full, the group is recomputed instead. `SwapSpace` is the model runner's side: the CPU tensor
+(pinned on CUDA) and the copies of each step, one batched index copy per direction over all layers.
 """
 from collections import deque
 
@@ -25,7 +25,8 @@ class Swapper:
         self.num_swapped_out_blocks = self.num_swapped_in_blocks = self.num_swapped_out_groups = 0
 
     def swap_out(self, group: list[Sequence], batch) -> bool:
-        """Move a running group's blocks to the CPU pool (False, and nothing moved, if they don't fit)."""
+        """Move a running group's blocks to the CPU pool (False, and nothing moved, if they don't
+        fit)."""
         if len({b for seq in group for b in seq.block_table}) > len(self.free_cpu_blocks):
             return False
         to_cpu = {}
@@ -45,8 +46,8 @@ class Swapper:
         return True
 
     def swap_in(self, scheduler, batch):
-        """Bring swapped groups back, oldest first, while their blocks and their next step's blocks fit
-        beside those of the groups already brought back; they run first."""
+        """Bring swapped groups back, oldest first, while their blocks and their next step's blocks
+        fit beside those of the groups already brought back; they run first."""
         back, reserved = [], 0
         while self.swapped:
             group = self.swapped[0]
@@ -88,14 +89,16 @@ class Swapper:
 
 
 class SwapSpace:
-    """The CPU copy of the KV cache's blocks: [2, num_layers, num_cpu_blocks, block_size, heads, dim]."""
+    """The CPU copy of the KV cache's blocks: [2, num_layers, num_cpu_blocks, block_size, heads,
+    dim]."""
 
     def __init__(self, kv_cache: torch.Tensor, swap_space_gib: float):
         shape = list(kv_cache.shape)
         block_bytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
         shape[2] = int(swap_space_gib * (1 << 30) // block_bytes)
         if shape[2] < 1:
-            raise ValueError(f"swap_space={swap_space_gib} GiB holds no KV block ({block_bytes} bytes)")
+            raise ValueError(f"swap_space={swap_space_gib} GiB holds no KV block "
+                             f"({block_bytes} bytes)")
         self.kv_cache = kv_cache
         self.cpu_cache = torch.zeros(shape, dtype=kv_cache.dtype, pin_memory=kv_cache.is_cuda)
         self.num_blocks = shape[2]

@@ -18,14 +18,16 @@ from nanovllm.engine.distributed import STARTUP_TIMEOUT, TPModelRunner, join_gro
 
 
 def exit_with_parent(parent_pid: int):
-    """Die with the engine's process, even when it is killed while this rank waits in a collective."""
+    """Die with the engine's process, even when it is killed while this rank waits in a
+    collective."""
     while os.getppid() == parent_pid:
         time.sleep(1)
     os._exit(1)
 
 
 def main(rank: int, port: int, parent_pid: int):
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops the workers
+    # Ctrl-C is rank 0's to handle: it stops the workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=exit_with_parent, args=(parent_pid,), daemon=True).start()
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=STARTUP_TIMEOUT)
     config = pickle.loads(store.get("config"))

@@ -11,7 +11,9 @@ import triton.language as tl
 
 
 @triton.jit
-def kv_row_offsets(block_table_row, keys, key_mask, stride_block, stride_slot, BLOCK_SIZE: tl.constexpr):
-    """Element offset of each key's row (for one KV head) in the cache; int64 since the pool can pass 2**31."""
+def kv_row_offsets(block_table_row, keys, key_mask, stride_block, stride_slot,
+                   BLOCK_SIZE: tl.constexpr):
+    """Element offset of each key's row (for one KV head) in the cache; int64 since the pool can
+    pass 2**31."""
     block_ids = tl.load(block_table_row + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
     return block_ids * stride_block + (keys % BLOCK_SIZE) * stride_slot  # [BLOCK_N]

@@ -18,27 +18,32 @@ from nanovllm.engine.run_ahead import fill_placeholders
 
 def apply(logits: torch.Tensor, rows: list, positions: list[int], eos_token_ids: set[int],
           last_tokens: torch.Tensor) -> torch.Tensor:
-    """logits [R, V] of sampled rows (sequence, sample index), each sampling the token at positions[i]."""
+    """logits [R, V] of sampled rows (sequence, sample index), each sampling the token at
+    positions[i]."""
     num_rows, vocab = logits.shape
     device = logits.device
     width = max(positions)
-    history = [seq.token_ids[:p] + [vocab] * (width - p) for (seq, _), p in zip(rows, positions)]  # pad: id V
+    # padded with id V
+    history = [seq.token_ids[:p] + [vocab] * (width - p) for (seq, _), p in zip(rows, positions)]
     ids = torch.tensor(history, dtype=torch.int64, device=device)  # [R, width]
     fill_placeholders(ids, last_tokens)
     prompt_lens = torch.tensor([seq.num_prompt_tokens for seq, _ in rows], device=device)
     output = (torch.arange(width, device=device) >= prompt_lens[:, None]) & (ids < vocab)
-    counts = torch.zeros(num_rows, vocab + 1, device=device).scatter_add_(1, ids.where(output, vocab),
-                                                                        output.float())[:, :vocab]
-    seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=device).scatter_(1, ids, True)[:, :vocab]
+    counts = torch.zeros(num_rows, vocab + 1, device=device)
+    counts = counts.scatter_add_(1, ids.where(output, vocab), output.float())[:, :vocab]
+    seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=device)
+    seen = seen.scatter_(1, ids, True)[:, :vocab]
     params = [seq.params for seq, _ in rows]
 
     def column(name):
-        return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=device)[:, None]
+        values = [getattr(p, name) for p in params]
+        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
     logits = logits.float()
     repetition = column("repetition_penalty")
     penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
     logits = torch.where(seen, penalized, logits)
-    logits = logits - column("presence_penalty") * (counts > 0) - column("frequency_penalty") * counts
+    logits = (logits - column("presence_penalty") * (counts > 0)
+              - column("frequency_penalty") * counts)
     for i, (p, position) in enumerate(zip(params, positions)):
         if position - rows[i][0].num_prompt_tokens < p.min_tokens:
             banned = [t for t in (*eos_token_ids, *p.stop_token_ids) if t < vocab]

@@ -1,49 +1,41 @@
 """Rotary position embedding (RoPE, neox layout: the two halves of each head rotate together).
 
 `RotaryEmbedding` holds the cos | sin table of every position, one table for all layers; `norm_rope`
-rotates query and key heads (after Qwen3's per-head RMSNorm) in plain PyTorch. PagedAttention's write
-step applies it (on CUDA fused with the cache write: nanovllm/kernels/store_kv.py).
+rotates query and key heads (after Qwen3's per-head RMSNorm) in plain PyTorch. PagedAttention's
+write step applies it (on CUDA fused with the cache write: nanovllm/kernels/store_kv.py).
 """
-import math
-
 import torch
 from torch import nn
 
 from nanovllm.layers.norm import plain_rms_norm
 
 
-def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama 3's rope scaling: slow down low frequencies, keep high ones, blend in between."""
-    factor, low, high = scaling["factor"], scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_len / wavelen - low) / (high - low)
-    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    return torch.where(wavelen > old_len / low, inv_freq / factor, torch.where(wavelen < old_len / high, inv_freq, blended))
-
-
 def rope_config(cfg: dict) -> tuple[float, dict | None]:
-    """(theta, scaling) from config.json, in the older (rope_theta, rope_scaling) or newer (rope_parameters) form."""
-    params = cfg.get("rope_parameters") or {}
+    """(theta, scaling or None) from config.json, in the older (rope_theta, rope_scaling) or newer
+    (rope_parameters) form."""
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     theta = cfg.get("rope_theta") or params.get("rope_theta", 10000.0)
-    return theta, cfg.get("rope_scaling") or params or None
+    scaled = params.get("rope_type", params.get("type")) not in (None, "default")
+    return theta, params if scaled else None
 
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
-            inv_freq = llama3_inv_freq(inv_freq, scaling)
-        elif scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise ValueError(f"rope_scaling={scaling} is not supported (only llama3 and default)")
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)  # [max_position, head_dim / 2]
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        if scaling:
+            from nanovllm.layers.rope_scaling import scaled_inv_freq
+            inv_freq = scaled_inv_freq(inv_freq, scaling)
+        positions = torch.arange(max_position, dtype=torch.float)
+        freqs = torch.outer(positions, inv_freq)  # [max_position, head_dim / 2]
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        self.register_buffer("cos_sin", cos_sin, persistent=False)
 
 
 def norm_rope(qk: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
-              q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """The query and key heads qk [N, heads, D] rotated, after their RMSNorm if the weights are given."""
+              q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float):
+    """The query and key heads qk [N, heads, D] rotated, after their RMSNorm if the weights are
+    given."""
     x = qk.float()
     if q_weight is not None:  # RMSNorm of each head, with the query weight for heads h < num_heads
         is_q = torch.arange(qk.size(1), device=qk.device)[:, None] < num_heads

@@ -1,12 +1,12 @@
-"""Sampling the next token: greedy, temperature, per-request seeds (truncation: layers/truncation.py).
+"""Sampling the next token: greedy, temperature, per-request seeds (truncation:
+layers/truncation.py).
 
-Sampling draws argmax(p / q) with q ~ Exponential(1), which picks token i with probability p_i
-(the Gumbel-max trick in another form) and needs no multinomial. In logarithms that is
-argmax(logits / T - log q): no softmax either, so on CUDA plain temperature sampling of a whole batch
-reads the logits once (Triton kernels: nanovllm/kernels/sample.py). A seeded request draws
-its own q from a generator seeded by (seed, sample index, position), so its tokens do not depend on the
-rest of the batch, and the n samples of one request differ. Logits come in the model's dtype; the
-arithmetic is float32.
+Sampling draws argmax(p / q) with q ~ Exponential(1), which picks token i with probability p_i (the
+Gumbel-max trick in another form) and needs no multinomial. In logarithms that is argmax(logits / T
+- log q): no softmax either, so on CUDA plain temperature sampling of a whole batch reads the logits
+once (Triton kernels: nanovllm/kernels/sample.py). A seeded request draws its own q from a generator
+seeded by (seed, sample index, position), so its tokens do not depend on the rest of the batch, and
+the n samples of one request differ. Logits come in the model's dtype; the arithmetic is float32.
 """
 from dataclasses import dataclass
 
@@ -19,7 +19,7 @@ class SamplingTensors:
     temperatures: torch.Tensor     # [B] float32, 0 = greedy
     seeds: list[tuple[int, int]]   # (row, seed for this step) of the seeded rows
     all_greedy: bool
-    truncation: object = None      # top-k / top-p / min-p, when some row asks (layers/truncation.py)
+    truncation: object = None      # top-k / top-p / min-p, if a row asks (layers/truncation.py)
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

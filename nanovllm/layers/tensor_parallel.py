@@ -1,5 +1,5 @@
-"""Megatron-style tensor parallelism, applied to a built model (as gpt-fast applies it): each rank keeps
-its shard of every large weight, and the layers meet in collectives.
+"""Megatron-style tensor parallelism, applied to a built model (as gpt-fast applies it): each rank
+keeps its shard of every large weight, and the layers meet in collectives.
 
 - Column-parallel (qkv_proj, gate_up_proj): each rank holds a slice of the output features of each
   packed projection and needs no communication. The attention heads split with them; KV heads fewer
@@ -9,8 +9,8 @@ its shard of every large weight, and the layers meet in collectives.
 - Vocabulary-parallel (embed_tokens, lm_head): each rank holds a slice of the vocabulary; the
   embedding all-reduces (other ranks' tokens give 0), the head gathers the logits to rank 0.
 
-`shard_model` swaps the layers before the weights load, so each rank copies only its shard out of the
-checkpoint's tensors (through the layers' weight_loader).
+`shard_model` swaps the layers before the weights load, so each rank copies only its shard out of
+the checkpoint's tensors (through the layers' weight_loader).
 """
 import torch
 import torch.distributed as dist
@@ -40,7 +40,8 @@ class ColumnParallel(Linear):
 class RowParallel(Linear):
     def __init__(self, full: Linear, group):
         self.group, self.rank = group, group.rank()
-        super().__init__(full.weight.size(1) // group.size(), full.weight.size(0), full.bias is not None)
+        super().__init__(full.weight.size(1) // group.size(), full.weight.size(0),
+                         full.bias is not None)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: int = 0):
         if param.dim() == 1:  # the bias: added once, on rank 0
@@ -72,7 +73,8 @@ class VocabEmbedding(VocabParallel):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         mask = (local >= 0) & (local < self.weight.size(0))
-        y = F.embedding(local * mask, self.weight) * mask.unsqueeze(-1)  # other ranks' tokens give 0
+        # other ranks' tokens give 0
+        y = F.embedding(local * mask, self.weight) * mask.unsqueeze(-1)
         dist.all_reduce(y, group=self.group)
         return y
 
@@ -96,7 +98,8 @@ def shard_model(model: nn.Module, group, num_kv_heads: int):
             module.qkv_proj = ColumnParallel(module.qkv_proj, group, [1, kv_replicas, kv_replicas])
             module.o_proj = RowParallel(module.o_proj, group)
             module.num_heads = module.attn.num_heads = heads_per_rank(module.num_heads, size)
-            module.num_kv_heads = module.attn.num_kv_heads = heads_per_rank(module.num_kv_heads, size)
+            kv_heads = heads_per_rank(module.num_kv_heads, size)
+            module.num_kv_heads = module.attn.num_kv_heads = kv_heads
         elif hasattr(module, "gate_up_proj"):
             module.gate_up_proj = ColumnParallel(module.gate_up_proj, group, [1, 1])
             module.down_proj = RowParallel(module.down_proj, group)

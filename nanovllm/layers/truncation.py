@@ -1,6 +1,7 @@
-"""Truncated sampling: min-p, top-k and top-p (nucleus), applied in that order as vLLM does, so top-p
-counts probability among the tokens that min-p and top-k left. The model runner builds a Truncation
-only for batches where some request asks for one; the others sample from the full distribution."""
+"""Truncated sampling: min-p, top-k and top-p (nucleus), applied in that order as vLLM does, so
+top-p counts probability among the tokens that min-p and top-k left. The model runner builds a
+Truncation only for batches where some request asks for one; the others sample from the full
+distribution."""
 from dataclasses import dataclass
 
 import torch
@@ -19,9 +20,10 @@ class Truncation:
 
         def tensor(values, dtype, used):
             return torch.tensor(values, dtype=dtype, device=device) if used else None
+        top_ps, min_ps = [p.top_p for p in params], [p.min_p for p in params]
         return cls(tensor(top_ks, torch.int64, min(top_ks) < vocab),
-                   tensor([p.top_p for p in params], torch.float32, any(p.top_p < 1 for p in params)),
-                   tensor([p.min_p for p in params], torch.float32, any(p.min_p > 0 for p in params)))
+                   tensor(top_ps, torch.float32, any(p < 1 for p in top_ps)),
+                   tensor(min_ps, torch.float32, any(p > 0 for p in min_ps)))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Set to -inf the logits outside each row's min-p floor, top-k and top-p nucleus."""
@@ -37,6 +39,7 @@ class Truncation:
             sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
         if self.top_ps is not None:
             probs = sorted_logits.softmax(-1)
-            outside = probs.cumsum(-1) - probs > self.top_ps[:, None]  # the smallest prefix reaching top_p
+            # the smallest prefix reaching top_p
+            outside = probs.cumsum(-1) - probs > self.top_ps[:, None]
             sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
         return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

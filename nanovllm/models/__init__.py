@@ -1,4 +1,5 @@
-"""Model registry: config.json's `architectures` (or else its `model_type`) -> how to build the model."""
+"""Model registry: config.json's `architectures` (or else its `model_type`) -> how to build the
+model."""
 from functools import partial
 
 from nanovllm.models.llama import LlamaForCausalLM
@@ -8,7 +9,8 @@ MODELS = {
     "Qwen2ForCausalLM": partial(LlamaForCausalLM, qkv_bias=True),
     "Qwen3ForCausalLM": partial(LlamaForCausalLM, qk_norm=True),
 }
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM"}
 
 
 def model_class(hf_config: dict):
@@ -17,5 +19,6 @@ def model_class(hf_config: dict):
     for arch in archs:
         if arch in MODELS:
             return MODELS[arch]
-    raise ValueError(f"architectures={archs} (model_type={hf_config.get('model_type')!r}) is not supported; "
+    model_type = hf_config.get("model_type")
+    raise ValueError(f"architectures={archs} (model_type={model_type!r}) is not supported; "
                      f"supported: {sorted(MODELS)} (model_type {sorted(MODEL_TYPES)})")

@@ -16,8 +16,8 @@ from nanovllm.layers.rotary import RotaryEmbedding, rope_config
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: dict, backend: AttentionBackend, rotary: RotaryEmbedding, qkv_bias: bool,
-                 qk_norm: bool):
+    def __init__(self, cfg: dict, backend: AttentionBackend, rotary: RotaryEmbedding,
+                 qkv_bias: bool, qk_norm: bool):
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         self.head_dim = d = cfg["head_dim"]
@@ -28,7 +28,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg["rms_norm_eps"]) if qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, rotary, backend)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata):
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q = self.attn.write(qkv, positions, meta.slot_mapping, self.q_norm, self.k_norm)
         return self.o_proj(self.attn.read(q, meta).flatten(1))
@@ -45,8 +45,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: dict, backend: AttentionBackend, rotary: RotaryEmbedding, qkv_bias: bool,
-                 qk_norm: bool):
+    def __init__(self, cfg: dict, backend: AttentionBackend, rotary: RotaryEmbedding,
+                 qkv_bias: bool, qk_norm: bool):
         super().__init__()
         self.self_attn = Attention(cfg, backend, rotary, qkv_bias, qk_norm)
         self.mlp = MLP(cfg["hidden_size"], cfg["intermediate_size"])
@@ -68,8 +68,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(cfg["hidden_size"], cfg["vocab_size"])
         rotary = RotaryEmbedding(cfg["head_dim"], cfg["max_position_embeddings"], *rope_config(cfg))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, rotary, qkv_bias, qk_norm)  # one rotary table
-                                    for _ in range(cfg["num_hidden_layers"]))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, rotary, qkv_bias, qk_norm)
+                                    for _ in range(cfg["num_hidden_layers"]))  # one rotary table
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
@@ -81,8 +81,9 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     # checkpoint name -> (parameter here, projection packed in it)
-    packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1),
+                      "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0),
+                      "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, cfg: dict, backend: AttentionBackend, qkv_bias: bool | None = None,
                  qk_norm: bool = False):

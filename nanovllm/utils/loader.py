@@ -1,4 +1,5 @@
-"""Loading weights: every safetensors file of the model directory, through each parameter's weight_loader."""
+"""Loading weights: every safetensors file of the model directory, through each parameter's
+weight_loader."""
 import glob
 import os
 
@@ -28,16 +29,19 @@ def load_model(model: nn.Module, path: str):
                     if "rotary_emb.inv_freq" not in name:
                         loaded.add(load_tensor(model, params, packed, name, f.get_tensor(name)))
         except (OSError, SafetensorError) as e:
-            raise ValueError(f"{file} does not read as safetensors ({e}): truncated or not a checkpoint?") from None
+            raise ValueError(f"{file} does not read as safetensors ({e}): truncated, or not a "
+                             "checkpoint?") from None
         except ValueError as e:
             raise ValueError(f"{file}: {e}") from None
     missing = set(params) - loaded
     if missing:
-        raise ValueError(f"checkpoint in {path!r} lacks {sorted(missing)[:5]}{'...' if len(missing) > 5 else ''}")
+        more = "..." if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint in {path!r} lacks {sorted(missing)[:5]}{more}")
 
 
-def load_tensor(model: nn.Module, params: dict, packed: dict, name: str, tensor: torch.Tensor) -> str:
-    """Copy one checkpoint tensor into its parameter (or its shard of a packed one); the parameter's name."""
+def load_tensor(model: nn.Module, params: dict, packed: dict, name: str, tensor) -> str:
+    """Copy one checkpoint tensor into its parameter (or its shard of a packed one); the parameter's
+    name."""
     target, shard = name, None
     for ckpt, (ours, shard_id) in packed.items():
         if f".{ckpt}." in name:

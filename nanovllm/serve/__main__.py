@@ -1,0 +1,6 @@
+"""`python -m nanovllm.serve MODEL [--host 127.0.0.1] [--port 8000] [engine flags]`."""
+import sys
+
+from nanovllm.serve.cli import main
+
+sys.exit(main())

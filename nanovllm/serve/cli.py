@@ -1,0 +1,187 @@
+"""`python -m nanovllm.serve MODEL` (or `nanovllm serve MODEL`): the command line of the
+OpenAI-compatible server, as vLLM's `vllm serve`, and how it stops.
+
+Every engine option is a flag generated from Config (`--attn-backend triton`,
+`--no-enable-prefix-caching`), its help text taken from Config's own comments, so a new option
+needs no edit here. On SIGTERM or SIGINT the server stops accepting (new calls get 503), gives the
+calls in flight a grace period (a second signal cuts it short), aborts the rest (their blocks
+freed: streams end with finish_reason "abort" and [DONE], whole answers get 503), prints the
+engine's figures and exits with status 0.
+"""
+import argparse
+import asyncio
+import inspect
+import ipaddress
+import json
+import logging
+import os
+import re
+import sys
+import types
+from dataclasses import MISSING, fields
+
+from nanovllm.config import CHOICES, Config
+
+SERVER_ONLY = {"model", "hf_config", "torch_dtype"}  # Config fields that are not flags
+log = logging.getLogger("nanovllm.serve")
+
+
+def config_comments() -> dict[str, str]:
+    """Config's inline comments, by field: the flags' help."""
+    source = inspect.getsource(Config)
+    return dict(re.findall(r"^\s+(\w+): [^#\n]*#\s*(.+)$", source, re.MULTILINE))
+
+
+def add_engine_flags(parser: argparse.ArgumentParser):
+    """One flag per Config field; only the flags given reach Config (its defaults stay its own)."""
+    group = parser.add_argument_group("engine options (nanovllm/config.py)")
+    comments = config_comments()
+    for f in fields(Config):
+        if f.name in SERVER_ONLY:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = None if f.default is MISSING else f.default
+        help = f"{comments.get(f.name, '')} (default: {default!r})".lstrip()
+        kind = f.type.__args__[0] if isinstance(f.type, types.UnionType) else f.type
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help,
+                               default=argparse.SUPPRESS)
+        else:
+            choices = [c for c in CHOICES.get(f.name, ()) if c is not None] or None
+            group.add_argument(flag, type=kind, choices=choices, help=help,
+                               default=argparse.SUPPRESS, dest=f.name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanovllm serve",
+                                     description="An OpenAI-compatible server for one model.")
+    parser.add_argument("model", help="the model directory (config.json, weights, tokenizer)")
+    server = parser.add_argument_group("server options")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default: 127.0.0.1, this machine only)")
+    server.add_argument("--port", type=int, default=8000, help="port (0: a free one; default 8000)")
+    server.add_argument("--api-key", default=None,
+                        help="callers of /v1/* must send 'Authorization: Bearer KEY' "
+                             "(default: $NANOVLLM_API_KEY, else no key)")
+    server.add_argument("--served-model-name", default=None,
+                        help="the model's name in the API (default: the directory's name)")
+    server.add_argument("--max-body-bytes", type=int, default=2 << 20,
+                        help="larger request bodies get 413 (default: 2 MiB)")
+    server.add_argument("--max-waiting-requests", type=int, default=1024,
+                        help="beyond this many queued requests, new ones get 503 (default 1024)")
+    server.add_argument("--grace-period", type=float, default=20.0,
+                        help="seconds the requests in flight get to finish when stopping "
+                             "(default 20)")
+    server.add_argument("--log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug"])
+    server.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_engine_flags(parser)
+    return parser
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The engine flags given on the command line, as Config options."""
+    names = {f.name for f in fields(Config)} - SERVER_ONLY
+    return {name: value for name, value in vars(args).items() if name in names}
+
+
+def check_server_args(args: argparse.Namespace):
+    for name in ("max_body_bytes", "max_waiting_requests"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, not {getattr(args, name)}")
+    if args.grace_period < 0:
+        raise SystemExit(f"--grace-period must be >= 0, not {args.grace_period}")
+    if not 0 <= args.port < 65536:
+        raise SystemExit(f"--port must be in [0, 65535], not {args.port}")
+
+
+def exposed_without_key(host: str, api_key: str | None) -> bool:
+    """Whether the server is reachable from other machines and lets anyone call it."""
+    if api_key:
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return host != "localhost"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    check_server_args(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    api_key = args.api_key or os.environ.get("NANOVLLM_API_KEY") or None
+    if exposed_without_key(args.host, api_key):
+        print(f"WARNING: serving on {args.host} without an API key: anyone who can reach this "
+              "machine can use the model. Pass --api-key KEY (or set NANOVLLM_API_KEY), or bind "
+              "127.0.0.1.", file=sys.stderr, flush=True)
+    from nanovllm import LLM
+    llm = LLM(args.model, **engine_options(args))
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    try:
+        stats = asyncio.run(serve(llm, args, api_key, name))
+    finally:
+        llm.shutdown()
+    print(f"nanovllm: stopped; engine figures: {json.dumps(stats)}", flush=True)
+    return 0
+
+
+async def serve(llm, args, api_key: str | None, name: str) -> dict:
+    """Run the HTTP server until a signal stops it; the engine's figures at the end."""
+    import uvicorn
+
+    from nanovllm.serve.app import ServerState, build_app
+    from nanovllm.serve.engine_thread import EngineThread
+    engine = EngineThread(llm, asyncio.get_running_loop())
+    state = ServerState(llm, engine, name, api_key, args.max_body_bytes, args.max_waiting_requests)
+    config = uvicorn.Config(build_app(state), host=args.host, port=args.port, lifespan="off",
+                            log_level=args.log_level, access_log=args.access_log,
+                            timeout_graceful_shutdown=5)
+    server = GracefulServer(config, state, args.grace_period)
+    engine.start()
+    try:
+        await server.serve()
+    finally:
+        engine.stop()
+    return llm.get_stats()
+
+
+class GracefulServer:
+    """uvicorn's Server, with our own answer to SIGTERM and SIGINT (see the module docstring)."""
+
+    def __new__(cls, config, state, grace_period: float):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):  # runs in the main thread, the loop's own
+                if self.draining is None:
+                    self.draining = asyncio.ensure_future(self.drain())
+                else:
+                    self.cut_short.set()
+
+            async def startup(self, sockets=None):
+                await super().startup(sockets)
+                if self.started:
+                    host, port = self.servers[0].sockets[0].getsockname()[:2]
+                    print(f"nanovllm: serving {state.model_name!r} on http://{host}:{port}",
+                          flush=True)
+
+            async def drain(self):
+                state.stopping = True
+                log.info("stopping: %d requests in flight get %.0f s", state.num_active,
+                         grace_period)
+                await self.until_idle(grace_period)
+                await state.engine.abort_all()
+                await self.until_idle(5.0)  # aborted calls write their last bytes
+                self.should_exit = True
+
+            async def until_idle(self, seconds: float):
+                waiting = asyncio.ensure_future(self.cut_short.wait())
+                loop = asyncio.get_running_loop()
+                end = loop.time() + seconds
+                while state.num_active and loop.time() < end and not waiting.done():
+                    await asyncio.sleep(0.05)
+                waiting.cancel()
+
+        server = Server(config)
+        server.draining, server.cut_short = None, asyncio.Event()
+        return server

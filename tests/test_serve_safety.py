@@ -1,0 +1,198 @@
+"""The server under attack and when it stops (issue 20): a property-based fuzz of request bodies
+(never a 500, and the same greedy text afterwards), a flood past the waiting limit (503 with
+Retry-After, then served again), and SIGTERM with streams and a whole answer in flight (the short
+stream finishes, the long ones end with "abort" and [DONE], the whole answer gets 503, new calls
+get 503, exit status 0, every KV block free)."""
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.serve_helpers import SMALL_ENGINE, Server, build_random_smol, sse_events
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+
+GREEDY = {"prompt": "The quick brown fox", "temperature": 0, "max_tokens": 16, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def random_smol(tmp_path_factory):
+    return build_random_smol(str(tmp_path_factory.mktemp("random_smol")))
+
+
+@pytest.fixture(scope="module")
+def server(random_smol, smollm2_dir):
+    srv = Server(random_smol, *SMALL_ENGINE, "--tokenizer", smollm2_dir,
+                 "--max-body-bytes", "65536", "--served-model-name", "random_smol")
+    yield srv
+    srv.kill()
+
+
+JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                      st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20))
+JSON = st.recursive(JSON_LEAF, lambda inner: st.lists(inner, max_size=4) |
+                    st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+TOKENS = st.lists(st.integers(0, 49151), min_size=1, max_size=8)
+VALID = {  # field: values a client may send
+    "prompt": st.one_of(st.text(min_size=1, max_size=40), TOKENS),
+    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]),
+                                                "content": st.text(max_size=30)}),
+                         min_size=1, max_size=2),
+    "max_tokens": st.integers(1, 8),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "top_k": st.integers(-1, 50),
+    "n": st.integers(1, 3),
+    "stop": st.one_of(st.text(min_size=1, max_size=3),
+                      st.lists(st.text(min_size=1, max_size=3), max_size=3)),
+    "seed": st.integers(0, 2**32),
+    "logprobs": st.one_of(st.integers(0, 5), st.booleans()),
+    "top_logprobs": st.integers(0, 5),
+    "presence_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.5, 2),
+    "min_tokens": st.integers(0, 4),
+    "stop_token_ids": st.lists(st.integers(0, 49151), max_size=3),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "model": st.just("random_smol"),
+    "ignore_eos": st.booleans(),
+}
+HOSTILE = {  # values past the edges, of the wrong type, or anything at all
+    "prompt": st.one_of(st.lists(st.integers(-3, 60000), max_size=8), JSON),
+    "messages": st.one_of(st.lists(st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "bot"]), "content": JSON}), max_size=3), JSON),
+    "max_tokens": st.one_of(st.integers(-2, 0), st.integers(10**4, 10**12),
+                            JSON_LEAF.filter(lambda v: v is not None)),
+    "n": st.one_of(st.integers(-1, 0), st.integers(60, 200), JSON_LEAF),
+    "seed": st.one_of(st.integers(-2**65, 2**65), JSON_LEAF),
+    "model": st.one_of(st.text(max_size=10), JSON_LEAF),
+}
+REQUIRED = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
+
+
+@st.composite
+def bodies(draw):
+    """(path, body bytes): bodies a client may send with some fields off, some unknown fields,
+    some truncated JSON and some raw bytes."""
+    path = draw(st.sampled_from(sorted(REQUIRED)))
+    fields = [f for f in VALID if f not in REQUIRED.values()]
+    names = [REQUIRED[path], *draw(st.lists(st.sampled_from(fields), max_size=6, unique=True))]
+    body = {"max_tokens": draw(VALID["max_tokens"])}  # a short default: the fuzz stays fast
+    for name in names:
+        hostile = draw(st.integers(0, 9)) == 0
+        body[name] = draw(HOSTILE.get(name, JSON) if hostile else VALID[name])
+    if draw(st.integers(0, 9)) == 0:
+        body.update(draw(st.dictionaries(st.text(max_size=12), JSON, min_size=1, max_size=2)))
+    text = json.dumps(body).encode()
+    how = draw(st.sampled_from(["json"] * 18 + ["truncated", "bytes"]))
+    if how == "truncated":
+        text = text[:draw(st.integers(0, len(text)))]
+    elif how == "bytes":
+        text = draw(st.binary(max_size=200))
+    return path, text
+
+
+def greedy_text(srv: Server) -> str:
+    with srv.client() as c:
+        r = c.post("/v1/completions", json=GREEDY)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+
+def test_fuzzed_bodies_never_500(server):
+    before = greedy_text(server)
+    statuses = {}
+    with server.client(timeout=120) as c:
+        @hypothesis.settings(max_examples=500, deadline=None, derandomize=True, database=None,
+                             suppress_health_check=list(hypothesis.HealthCheck))
+        @hypothesis.given(bodies())
+        def send(case):
+            path, body = case
+            with c.stream("POST", path, content=body,
+                          headers={"Content-Type": "application/json"}) as r:
+                r.read()  # the whole answer, or the whole stream
+                statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                assert r.status_code in (200, 400, 404), r.text
+                if r.status_code != 200:
+                    assert "error" in r.json()
+                elif r.headers["content-type"].startswith("text/event-stream"):
+                    assert r.text.endswith("data: [DONE]\n\n")
+        send()
+    assert sum(statuses.values()) >= 500 and statuses[200] >= 100 and statuses[400] >= 100
+    stats = server.wait_drained()
+    assert stats["num_running"] == stats["kv_blocks_used"] == 0
+    assert greedy_text(server) == before  # the engine serves on, unchanged
+
+
+def test_flood_past_waiting_limit(random_smol, smollm2_dir):
+    srv = Server(random_smol, *SMALL_ENGINE[:-2], "--max-num-seqs", "2", "--tokenizer",
+                 smollm2_dir, "--max-waiting-requests", "4")
+    try:
+        results = [None] * 40
+
+        def ask(i):
+            with srv.client() as c:
+                results[i] = c.post("/v1/completions", json={**GREEDY, "max_tokens": 64})
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(40)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        refused = [r for r in results if r.status_code == 503]
+        served = [r for r in results if r.status_code == 200]
+        assert len(refused) + len(served) == 40 and refused and served
+        assert all(r.headers["retry-after"] == "1" and "--max-waiting-requests" in r.text
+                   for r in refused)
+        assert all(r.json()["usage"]["completion_tokens"] == 64 for r in served)  # none lost
+        srv.wait_drained()
+        with srv.client() as c:
+            assert c.post("/v1/completions", json=GREEDY).status_code == 200  # served again
+    finally:
+        srv.kill()
+
+
+def test_sigterm_finishes_or_aborts_then_exits_0(smollm2_dir):
+    srv = Server(smollm2_dir, *SMALL_ENGINE, "--grace-period", "8")
+    long = {"prompt": "Count to a thousand:", "max_tokens": 900, "ignore_eos": True}
+    events, whole = {}, {}
+
+    def stream(name, body):
+        with srv.client() as c, c.stream("POST", "/v1/completions",
+                                         json={**body, "stream": True}) as r:
+            events[name] = sse_events(r)
+
+    def answer():
+        with srv.client() as c:
+            whole["response"] = c.post("/v1/completions", json=long)
+    short = {"prompt": "Hi", "max_tokens": 8, "ignore_eos": True}
+    threads = [threading.Thread(target=stream, args=("short", short)),
+               threading.Thread(target=stream, args=("long1", long)),
+               threading.Thread(target=stream, args=("long2", long)),
+               threading.Thread(target=answer)]
+    try:
+        for t in threads:
+            t.start()
+        end = time.monotonic() + 120
+        while srv.stats()["num_running"] < 4 and time.monotonic() < end:
+            time.sleep(0.02)
+        srv.proc.send_signal(signal.SIGTERM)
+        with httpx.Client(base_url=srv.url, headers=srv.headers, trust_env=False) as c:
+            late = c.post("/v1/completions", json=GREEDY)
+        for t in threads:
+            t.join(timeout=120)
+        assert srv.proc.wait(timeout=60) == 0
+    finally:
+        srv.kill()
+    assert late.status_code == 503 and late.json()["error"]["type"] == "service_unavailable"
+    finish = {name: [c["finish_reason"] for e in ev for c in e["choices"]][-1]
+              for name, ev in events.items()}
+    assert finish == {"short": "length", "long1": "abort", "long2": "abort"}
+    assert whole["response"].status_code == 503
+    figures = json.loads("".join(srv.log).split("engine figures: ")[1].splitlines()[0])
+    assert figures["kv_blocks_used"] == figures["num_running"] == figures["num_waiting"] == 0

@@ -1,0 +1,213 @@
+"""The step trace (nanovllm/trace.py): replaying it gives back the engine's own state at every
+step, and its events are the engine's (copies, forks, prefix hits, evictions, preemptions,
+swaps)."""
+import json
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.trace import EVENT_ORDER, Trace, replay
+from nanovllm.viz import render_page
+from tests.trace_helpers import (
+    DEMO_OPTIONS,
+    SWAP_OPTIONS,
+    CheckedTrace,
+    engine_truth,
+    run_workload,
+)
+
+MARKER_START = '<script type="application/json" id="trace">'
+MODES = {"recompute": {}, "swap": SWAP_OPTIONS}
+
+
+@pytest.fixture(scope="module")
+def traced(tiny_path, tmp_path_factory):
+    """mode -> (trace data, CheckedTrace) of the demo's workload."""
+    runs = {}
+    for mode, options in MODES.items():
+        llm = LLM(tiny_path, **{**DEMO_OPTIONS, **options})
+        path = tmp_path_factory.mktemp(mode) / "run.json"
+        with CheckedTrace(llm, path) as trace:
+            run_workload(llm)
+        with open(path) as f:
+            runs[mode] = json.load(f), trace
+    return runs
+
+
+def events(entry, kind):
+    return [e for e in entry["events"] if e[0] == kind]
+
+
+def all_entries(data):
+    return data["steps"] + [data["end"]]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_replay_gives_back_the_engine_state_at_every_step(traced, mode):
+    data, trace = traced[mode]
+    assert len(trace.truth) == len(data["steps"]) + 1 > 20
+    for i, truth in enumerate(trace.truth):
+        state = replay(data, i)
+        for key in ("tables", "cpu_tables", "ref_counts", "cached", "free"):
+            assert state[key] == truth[key], (i, key)
+        assert state["cached"] & state["free"] == truth["cached_free"]
+        assert all_entries(data)[i]["num_free"] == len(truth["free"])
+    assert not trace.truth[-1]["tables"] and len(trace.truth[-1]["free"]) == data["num_blocks"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_copy_on_write_events_are_the_batch_copies(traced, mode):
+    data, trace = traced[mode]
+    for entry, batch in zip(data["steps"], trace.batches):
+        cows = [(src, dst) for _, dst, _, src in events(entry, "cow")]
+        assert sorted(cows) == sorted(batch["copies"])
+    assert sum(len(b["copies"]) for b in trace.batches) >= 3  # n=3 sampling and the beams copy
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_swaps_and_preemptions_are_the_engines(traced, mode):
+    data, trace = traced[mode]
+    for entry, batch in zip(data["steps"], trace.batches):
+        assert [(b, cpu) for _, b, _, cpu in events(entry, "swap_out")] == batch["swap_out"]
+        assert [(cpu, b) for _, b, _, cpu in events(entry, "swap_in")] == batch["swap_in"]
+    preempts = [e for entry in all_entries(data) for e in events(entry, "preempt")]
+    assert len(preempts) == trace.truth[-1]["num_preemptions"] >= 1
+    assert {e[3] for e in preempts} == {mode}
+    if mode == "swap":
+        assert any(batch["swap_in"] for batch in trace.batches)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_block_events_agree_with_the_engine_state(traced, mode):
+    data, trace = traced[mode]
+    before = {"cached": set(data["start"]["cached"]), "tables": {}}
+    for entry, truth in zip(all_entries(data), trace.truth):
+        for kind, block, seq, _ in entry["events"]:
+            if kind in ("alloc", "cow", "swap_in"):  # taken fresh: not in the prefix cache yet
+                assert truth["ref_counts"][block] >= 1 and block not in truth["cached"]
+            if kind in ("alloc", "cow", "hit", "share"):
+                assert block in truth["tables"][str(seq)]
+            if kind == "hit":
+                assert block in truth["cached"] and block in before["cached"]
+            if kind == "free":
+                assert block in before["tables"][str(seq)]
+        assert {e[1] for e in events(entry, "evict")} == before["cached"] - truth["cached"]
+        assert {e[1] for e in events(entry, "cached")} == truth["cached"] - before["cached"]
+        before = truth
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prefix_hits_are_the_cached_tokens(traced, mode):
+    """A sequence's hit blocks at its first admission make its num_cached_tokens (a full hit still
+    computes its last prompt token)."""
+    data, trace = traced[mode]
+    first_seen, hits = {}, {}
+    for i, entry in enumerate(all_entries(data)):
+        for kind, _, seq, _ in entry["events"]:
+            if kind in ("hit", "alloc") and seq is not None:
+                first_seen.setdefault(seq, i)
+                if kind == "hit" and first_seen[seq] == i:
+                    hits[seq] = hits.get(seq, 0) + 1
+    block_size, full_hits = data["block_size"], 0
+    for seq, i in first_seen.items():
+        info = data["seqs"][str(seq)]
+        cached = trace.truth[i]["num_cached_tokens"][str(seq)]
+        assert cached == min(hits.get(seq, 0) * block_size, info["num_prompt_tokens"] - 1), seq
+        full_hits += hits.get(seq, 0) * block_size == info["num_prompt_tokens"]
+    assert full_hits >= 1 and len(hits) >= 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_fork_shares_its_parents_blocks(traced, mode):
+    data, trace = traced[mode]
+    num_forks = 0
+    for i, entry in enumerate(data["steps"]):
+        copies = {dst: src for src, dst in trace.batches[i]["copies"]}
+        for _, _, child, parent in events(entry, "fork"):
+            num_forks += 1
+            assert data["seqs"][str(child)]["parent"] == parent
+            parent_table = (trace.truth[i - 1]["tables"].get(str(parent))
+                            or trace.truth[i]["tables"][str(parent)])
+            child_table = [copies.get(b, b) for b in trace.truth[i]["tables"][str(child)]]
+            shared = [b for _, b, s, _ in events(entry, "share") if s == child]
+            assert child_table[:len(parent_table)] == parent_table
+            assert shared and set(shared) <= set(parent_table)
+            request = data["seqs"][str(child)]["request"]
+            assert request == data["seqs"][str(parent)]["request"]
+    assert num_forks >= 2 + 3  # the n=3 request's two forks, and the beams'
+
+
+def test_beams_let_go_and_requests_finish(traced):
+    data, _ = traced["recompute"]
+    reasons = [e[3] for entry in all_entries(data) for e in events(entry, "finish")]
+    assert "pruned" in reasons and "length" in reasons
+    beams = [s for s, info in data["seqs"].items() if info["beam"]]
+    assert len(beams) >= 4
+
+
+def test_batches_and_format(traced):
+    data, _ = traced["recompute"]
+    assert data["format"] == "nanovllm-trace" and data["version"] == 1
+    assert data["num_blocks"] == DEMO_OPTIONS["num_kvcache_blocks"]
+    assert data["block_size"] == DEMO_OPTIONS["kvcache_block_size"]
+    kinds = {e[0] for entry in all_entries(data) for e in entry["events"]}
+    assert kinds == set(EVENT_ORDER) - {"swap_out", "swap_in"}
+    for entry in data["steps"]:
+        assert entry["batch"] and entry["dt"] >= 0
+        assert [EVENT_ORDER.index(e[0]) for e in entry["events"]] == sorted(
+            EVENT_ORDER.index(e[0]) for e in entry["events"])
+        for seq, kind, n, start, _ in entry["batch"]:
+            prompt = data["seqs"][str(seq)]["num_prompt_tokens"]
+            assert (kind == "prefill") == (start < prompt) and n >= 1
+    assert "batch" not in data["end"]
+    assert [e["step"] for e in data["steps"]] == list(range(len(data["steps"])))
+
+
+def test_a_trace_opened_mid_run_starts_from_the_engine_state(tiny_path, tmp_path):
+    llm = LLM(tiny_path, **DEMO_OPTIONS)
+    llm.add_request(list(range(30)), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    llm.add_request(list(range(30)) + [7] * 9, SamplingParams(n=2, max_tokens=20, ignore_eos=True))
+    for _ in range(3):
+        llm.step()
+    start = engine_truth(llm)
+    with CheckedTrace(llm, tmp_path / "t.json") as trace:
+        while not llm.is_finished():
+            llm.step()
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert replay(data, -1)["tables"] == start["tables"] and start["tables"]
+    for i, truth in enumerate(trace.truth):
+        assert replay(data, i)["ref_counts"] == truth["ref_counts"]
+
+
+def test_no_open_trace_records_nothing_and_an_error_still_writes_it(tiny_path, tmp_path):
+    llm = LLM(tiny_path, **DEMO_OPTIONS)
+    assert llm.tracer is None
+    with pytest.raises(KeyboardInterrupt), llm.trace(tmp_path / "t.json"):
+        with pytest.raises(RuntimeError, match="already open"):
+            Trace(llm, tmp_path / "u.json").__enter__()
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        request_id = llm.add_request(list(range(20)), params)
+        llm.step()
+        raise KeyboardInterrupt
+    assert llm.tracer is None and not (tmp_path / "u.json").exists()
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["steps"] and replay(data, len(data["steps"]))["tables"]  # the request still runs
+    assert llm.abort_request(request_id)
+    llm.generate([list(range(20))], SamplingParams(max_tokens=4), use_tqdm=False)  # untraced
+    assert json.loads((tmp_path / "t.json").read_text()) == data
+
+
+def test_the_page_embeds_the_trace_as_inert_data(traced):
+    """Request ids and prompts can hold anything: in the page the trace is JSON that no `<` can
+    end, and it reads back equal."""
+    data = json.loads(json.dumps(traced["recompute"][0]))
+    hostile = "</script><script>alert(1)</script><!-- & \u2028"
+    first = next(iter(data["seqs"]))  # sequence ids count on across the test session
+    data["seqs"][first]["request"] = data["seqs"][first]["prompt"] = hostile
+    page = render_page(data)
+    start = page.index(MARKER_START) + len(MARKER_START)
+    inside = page[start:page.index("</script>", start)]
+    assert "<" not in inside and ">" not in inside and "&" not in inside
+    assert json.loads(inside) == data
+    with pytest.raises(ValueError, match="not a nanovllm trace"):
+        render_page({"format": "something else"})

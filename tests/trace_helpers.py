@@ -1,0 +1,93 @@
+"""Helpers of the trace tests: the demo's workload traced, with the engine's own state read at every
+step beside the trace (what replaying the trace must give back)."""
+import random
+
+from benchmarks.trace_demo import DEMO_OPTIONS, SWAP_OPTIONS, run_workload  # noqa: F401
+from nanovllm.engine.sequence import SequenceStatus
+from nanovllm.trace import Trace
+
+
+def engine_truth(engine) -> dict:
+    """The block manager's and the scheduler's state, read directly: what a replay must equal."""
+    scheduler, bm = engine.scheduler, engine.block_manager
+    swapped = [s for g in scheduler.swap.swapped for s in g] if scheduler.swap else []
+    live = list(scheduler.running) + list(scheduler.waiting) + swapped
+    return {
+        "tables": {str(s.seq_id): list(s.block_table) for s in live
+                   if s.block_table and s.status != SequenceStatus.SWAPPED},
+        "cpu_tables": {str(s.seq_id): list(s.block_table) for s in swapped},
+        "ref_counts": [b.ref_count for b in bm.blocks],
+        "cached": set(bm.cached_blocks.values()),
+        "free": set(bm.free_blocks),
+        "cached_free": set(bm.cached_blocks.values()) & set(bm.free_blocks),
+        "num_cached_tokens": {str(s.seq_id): s.num_cached_tokens for s in live},
+        "num_preemptions": scheduler.num_preemptions,
+    }
+
+
+class CheckedTrace(Trace):
+    """A Trace that also keeps, at every step, the engine's own state and the step's batch."""
+
+    def __enter__(self):
+        self.truth, self.batches = [], []
+        return super().__enter__()
+
+    def on_step(self, batch):
+        super().on_step(batch)
+        self.truth.append(engine_truth(self.engine))
+        self.batches.append({"copies": list(batch.copies), "swap_in": list(batch.swap_in),
+                             "swap_out": list(batch.swap_out)})
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self.truth.append(engine_truth(self.engine))  # after `end`
+
+
+def synthetic_trace(num_blocks: int, num_steps: int, seed: int = 0) -> dict:
+    """A large trace in the file format without running a model: sequences arrive, grow a block
+    at a time, fork (sharing all their blocks) and finish, keeping most of the blocks in use."""
+    rng = random.Random(seed)
+    free, refs, tables, seqs, steps = list(range(num_blocks)), [0] * num_blocks, {}, {}, []
+    rng.shuffle(free)
+
+    def take(seq_id, events):
+        b = free.pop()
+        refs[b] += 1
+        events.append(["alloc", b, seq_id, None])
+        return b
+    for step in range(num_steps):
+        events, changed = [], {}
+        for seq_id in [s for s in tables if rng.random() < 0.004]:  # finish
+            events.append(["finish", None, seq_id, "length"])
+            for b in tables.pop(seq_id):
+                refs[b] -= 1
+                events.append(["free", b, seq_id, refs[b]])
+                if refs[b] == 0:
+                    free.append(b)
+            changed[str(seq_id)] = None
+        for seq_id in list(tables):  # grow
+            if rng.random() < 0.05 and free:
+                tables[seq_id] = tables[seq_id] + [take(seq_id, events)]
+                changed[str(seq_id)] = tables[seq_id]
+        while len(free) > num_blocks // 8:  # arrive, or fork
+            seq_id = len(seqs)
+            parent = rng.choice(list(tables)) if tables and rng.random() < 0.2 else None
+            request = seqs[str(parent)]["request"] if parent is not None else f"req-{seq_id}"
+            seqs[str(seq_id)] = {"request": request, "sample": 0, "parent": parent, "beam": False,
+                                 "prompt": f"prompt {seq_id}", "num_prompt_tokens": 64}
+            if parent is not None:
+                tables[seq_id] = list(tables[parent])
+                for b in tables[seq_id]:
+                    refs[b] += 1
+                events.append(["fork", None, seq_id, parent])
+            else:
+                tables[seq_id] = [take(seq_id, events) for _ in range(rng.randint(1, 8))]
+            changed[str(seq_id)] = tables[seq_id]
+        batch = [[s, "decode", 1, 100, 1] for s in list(tables)[:64]]
+        steps.append({"step": step, "t": step * 0.01, "dt": 0.01, "batch": batch, "tables": changed,
+                      "cpu_tables": {}, "events": events, "num_free": len(free),
+                      "running": len(tables), "waiting": 0, "swapped": 0})
+    return {"format": "nanovllm-trace", "version": 1, "num_blocks": num_blocks, "block_size": 16,
+            "num_cpu_blocks": 0, "preemption_mode": "recompute", "model": "synthetic",
+            "start": {"tables": {}, "cpu_tables": {}, "cached": []}, "seqs": seqs, "steps": steps,
+            "end": None}
