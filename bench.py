@@ -131,7 +131,8 @@ def main():
                         cells.append("OOM")
                         release(llm)
                         llm = make_llm(args, backend, kv_dtype, **grid)
-                    print(f"{name} b{batch} L{length}: {cells[-1]}", flush=True)  # kept if a time limit cuts the grid
+                    # kept if a time limit cuts the grid
+                    print(f"{name} b{batch} L{length}: {cells[-1]}", flush=True)
             rows.append(f"| {name} | " + " | ".join(cells) + " |")
         release(llm)
         print(rows[-1], flush=True)

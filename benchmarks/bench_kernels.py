@@ -5,7 +5,8 @@ method is captured in a CUDA graph that calls it once per "layer copy" (disjoint
 of them to exceed L2, as a model's layers would), and the median replay time is divided by the
 number of calls. Bandwidth counts the K and V bytes that must be read: sum(context_lens) * Hkv * D *
 2 bytes * 2. Prefill: 4 sequences of 2048 tokens, causal. Triton runs over a bf16 cache and over
-the same keys and values in an FP8 cache (kv_cache_dtype="fp8": half the bytes, widened in registers).
+the same keys and values in an FP8 cache (kv_cache_dtype="fp8": half the bytes, widened in
+registers).
 
     python benchmarks/bench_kernels.py [--quick]
 
@@ -149,7 +150,8 @@ def bench_decode(name, batch, ctx, num_sms, l2_bytes, notes):
     k8, v8 = quantize(k_cache, 1.0), quantize(v_cache, 1.0)  # the same keys in an FP8 cache
     out8 = decode_attention(q, k8, v8, cu, lens, tables[0], scale, splits, scratch)
     row["fp8_err"] = ((out8.float() - ref.float()).norm() / ref.float().norm()).item()
-    row["fp8"] = guarded(lambda: bench_graph([triton_call(k8, v8, t) for t in tables]), notes, f"triton fp8 {tag}")
+    row["fp8"] = guarded(lambda: bench_graph([triton_call(k8, v8, t) for t in tables]), notes,
+                         f"triton fp8 {tag}")
     k8 = v8 = None  # freed before the relayout below
     row["flash"], row["diff"] = "n/a", "-"
     if flash_attn is not None:
@@ -206,7 +208,8 @@ def bench_prefill(name, num_seqs, seq_len, notes):
     row["triton"] = guarded(lambda: time_us(triton_fn), notes, f"triton prefill {name}")
     out8 = triton_fn(k8, v8)
     row["fp8_err"] = ((out8.float() - ref.float()).norm() / ref.float().norm()).item()
-    row["fp8"] = guarded(lambda: time_us(lambda: triton_fn(k8, v8)), notes, f"triton fp8 prefill {name}")
+    row["fp8"] = guarded(lambda: time_us(lambda: triton_fn(k8, v8)), notes,
+                         f"triton fp8 prefill {name}")
     row["flash"], row["diff"] = "n/a", "-"
     if flash_attn is not None:
         def flash_fn():
@@ -262,13 +265,15 @@ def main():
                 cell = {m: row.get(m, "err") for m in ("splits", "triton", "triton16", "flash", "sdpa", "fp8",
                                                        "fp8_err")}
                 tbps = {m: kv_bytes / cell[m] / 1e6 if isinstance(cell[m], float) else "-" for m in ("triton", "flash")}
-                tbps["fp8"] = kv_bytes / 2 / cell["fp8"] / 1e6 if isinstance(cell["fp8"], float) else "-"
+                fp8_us = cell["fp8"]
+                tbps["fp8"] = kv_bytes / 2 / fp8_us / 1e6 if isinstance(fp8_us, float) else "-"
                 diffs = [x for x in (row.get("diff"), row.get("diff16")) if isinstance(x, float)]
                 print(f"| {name} {num_heads}/{num_kv_heads}/{head_dim} | {batch} | {ctx} | {cell['splits']} "
                       f"| {fmt(cell['triton'])} | {fmt(cell['triton16'])} | {fmt(cell['flash'])} | {fmt(cell['sdpa'])} "
                       f"| {fmt(tbps['triton'], '.2f')} | {fmt(tbps['flash'], '.2f')} "
                       f"| {fmt(ratio(cell['flash'], cell['triton']), '.2f')} | {fmt(max(diffs, default='-'), '.1e')} "
-                      f"| {fmt(cell['fp8'])} | {fmt(tbps['fp8'], '.2f')} | {fmt(ratio(cell['triton'], cell['fp8']), '.2f')} "
+                      f"| {fmt(fp8_us)} | {fmt(tbps['fp8'], '.2f')} "
+                      f"| {fmt(ratio(cell['triton'], fp8_us), '.2f')} "
                       f"| {fmt(cell['fp8_err'], '.1e')} |", flush=True)
                 torch.cuda.empty_cache()
 
@@ -295,7 +300,8 @@ def main():
           "max diff = max |triton - flash| (or - sdpa without flash-attn), also covering triton@16; "
           "bf16 outputs agree to ~1e-2. sdpa gathers K/V into a padded batch each call (that copy is timed). "
           "Prefill times: triton.testing.do_bench medians; triton reads K/V through the block table, "
-          "flash and sdpa take contiguous K/V. triton fp8: the same keys and values in an FP8 cache (scale 1); "
+          "flash and sdpa take contiguous K/V. "
+          "triton fp8: the same keys and values in an FP8 cache (scale 1); "
           "fp8 TB/s counts its bytes (half of bf16's); bf16/fp8 time > 1: fp8 faster; "
           "fp8 rel err = ||fp8 out - bf16 out|| / ||bf16 out||.")
     for note in notes:
