@@ -31,8 +31,8 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 
 
 def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """x / scale in e4m3, saturated at +-448 (float32 arithmetic, round to nearest even; x times
-    1 / scale, as the store kernel computes it)."""
+    """x / scale in e4m3, saturated at +-448: x * (1 / scale) in float32, as the store kernel
+    computes it, rounded to nearest (ties to even here, away from zero in the kernel)."""
     return (x.float() * (1 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
