@@ -19,6 +19,7 @@ CPU_NUM_SMS = 4  # the interpreter has no SMs; a few keeps split-KV in play in C
 
 class TritonBackend(AttentionBackend):
     cudagraph_support = "always"
+    reads_fp8_kv_cache = True  # widened in registers (attention/fp8.py)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, config):
         if config.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -38,8 +39,10 @@ class TritonBackend(AttentionBackend):
         if d:
             splits = num_decode_splits(d, self.num_kv_heads, self.head_dim, self.max_model_len, self.num_sms)
             decode_attention(q, k_cache, v_cache, meta.cu_seqlens_q[:d + 1], meta.context_lens[:d],
-                             meta.block_tables[:d], self.scale, splits, self.scratch, out)
+                             meta.block_tables[:d], self.scale, splits, self.scratch, out,
+                             self.k_scale, self.v_scale)
         if meta.query_tiles.shape[0]:
             prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
-                              meta.query_tiles, QUERY_TILE, self.scale, out)
+                              meta.query_tiles, QUERY_TILE, self.scale, out, self.k_scale,
+                              self.v_scale)
         return out

@@ -40,7 +40,7 @@ def _split_range(context_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.const
 @triton.jit(do_not_specialize=["stride_bt"])  # the table width changes from step to step
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr,
-    out_ptr, partial_ptr, lse_ptr, qk_scale,
+    out_ptr, partial_ptr, lse_ptr, qk_scale, v_scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
     stride_ot, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -75,8 +75,10 @@ def _decode_split_kernel(
         keys = start_n + tl.arange(0, BLOCK_N)
         key_mask = keys < end
         kv_rows = kv_row_offsets(block_table_row, keys, key_mask, stride_kb, stride_ks, BLOCK_SIZE)
-        k = tl.load(k_ptr + kv_rows[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
-        v = tl.load(v_ptr + kv_rows[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
+        # an FP8 cache is widened to q's dtype here, in registers; its K scale is in qk_scale
+        kv_offsets = kv_rows[:, None] + dims[None, :]  # [BLOCK_N, D]
+        k = tl.load(k_ptr + kv_offsets, mask=key_mask[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_ptr + kv_offsets, mask=key_mask[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
         s = tl.where(key_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has at least one key < end
@@ -86,7 +88,7 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    out = acc / l_i[:, None]
+    out = acc * (v_scale / l_i)[:, None]  # v_scale: an FP8 cache's V scale (1 otherwise)
     if NUM_SPLITS == 1:  # the one split is the answer: straight to the output row
         dst = out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -157,12 +159,14 @@ def decode_scratch(max_num_seqs: int, num_heads: int, num_kv_heads: int, head_di
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                      scale: float, num_splits: int = 1, scratch: tuple | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> torch.Tensor:
     """Attention of every sequence with one query token (a decode) over its context_lens[s] cached keys.
 
     q [num_tokens, Hq, D] holds the step's queries; sequence s owns tokens cu_seqlens_q[s]:[s + 1]. Rows
     with any other query length are left alone (a prefill chunk, or padding): writes out[token] of the
-    decodes only, so a mixed step's prefill kernel fills the rest of the same `out`.
+    decodes only, so a mixed step's prefill kernel fills the rest of the same `out`. An FP8 cache
+    holds K / k_scale and V / v_scale (attention/fp8.py).
     """
     num_heads, head_dim = q.shape[1:]
     num_seqs, num_kv_heads = context_lens.shape[0], k_cache.shape[2]
@@ -186,7 +190,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse = scratch[1][:size].view(num_seqs, num_splits, num_heads, 1)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, out, partial, lse,
-        scale * math.log2(math.e),
+        scale * k_scale * math.log2(math.e), v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
