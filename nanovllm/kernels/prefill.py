@@ -30,7 +30,8 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n, k_len
     key_mask = keys < k_len
     rows = kv_row_offsets(block_table_row, keys, key_mask, stride_kb, stride_ks, BLOCK_SIZE)
     # an FP8 cache is widened to q's dtype here, in registers; its K scale is in qk_scale
-    k = tl.load(k_ptr + rows[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)  # [BLOCK_N, D]
+    # [BLOCK_N, D]
+    k = tl.load(k_ptr + rows[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
     k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
     if CAUSAL_MASK:
@@ -85,13 +86,13 @@ def _prefill_kernel(
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     causal_end = tl.minimum(first_pos + BLOCK_M, k_len)  # one past the last query's position
     for start_n in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n, k_len,
-                                     q_pos, qk_scale, stride_kb, stride_ks, dims, BLOCK_SIZE, BLOCK_N,
-                                     False)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n,
+                                     k_len, q_pos, qk_scale, stride_kb, stride_ks, dims, BLOCK_SIZE,
+                                     BLOCK_N, False)
     for start_n in range(full_end, causal_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n, k_len,
-                                     q_pos, qk_scale, stride_kb, stride_ks, dims, BLOCK_SIZE, BLOCK_N,
-                                     True)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n,
+                                     k_len, q_pos, qk_scale, stride_kb, stride_ks, dims, BLOCK_SIZE,
+                                     BLOCK_N, True)
 
     # Every real row saw at least key 0, so l_i > 0 there; rows past q_len are not stored.
     out = acc * (v_scale / l_i)[:, None]  # v_scale: an FP8 cache's V scale (1 otherwise)
