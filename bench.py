@@ -6,6 +6,7 @@ ignore_eos; max_model_len 4096; one warm-up generate; throughput = sum(max_token
 Without --model it runs an architecture shipped in benchmarks/ (--arch: Qwen3-0.6B, Qwen3-8B) with
 random weights; `--tp 2` splits it over 2 GPUs.
 `--table` runs the batch x length grid (output length = input length) and reports decode tokens/s.
+`--kv-cache-dtype auto fp8` runs each backend with each KV cache dtype, in one run (a row each).
 """
 import argparse
 import gc
@@ -21,10 +22,10 @@ from nanovllm import LLM, SamplingParams
 ARCHS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks")
 
 
-def make_llm(args, backend: str, **options) -> LLM:
+def make_llm(args, backend: str, kv_cache_dtype: str = "auto", **options) -> LLM:
     weights = dict(load_format="dummy", skip_tokenizer_init=True) if args.model is None else {}
     return LLM(args.model or os.path.join(ARCHS, args.arch), attn_backend=backend, enforce_eager=args.enforce_eager,
-               tensor_parallel_size=args.tp, **weights, **options)
+               tensor_parallel_size=args.tp, kv_cache_dtype=kv_cache_dtype, **weights, **options)
 
 
 def nano_vllm_requests(num_seqs: int = 256, max_input_len: int = 1024,
@@ -65,6 +66,12 @@ def decode_throughput(llm: LLM, batch: int, length: int) -> float:
     return (llm.output_processor.num_generation_tokens - first) / (time.perf_counter() - start)
 
 
+def print_kv_cache(llm, name: str):
+    """The KV cache's size in tokens (a function, for the same reason as print_graphs)."""
+    kv = llm.model_runner.kv_cache
+    print(f"{name}: a KV cache of {kv.shape[2] * kv.shape[3]:,} tokens", flush=True)
+
+
 def print_graphs(llm, backend: str):
     """What the CUDA graphs cost (a function: no reference to them may outlive the engine, as
     they hold views of its KV cache)."""
@@ -95,6 +102,8 @@ def main():
     parser.add_argument("--num-seqs", type=int, default=256, help="nano-vllm's workload: sequences")
     parser.add_argument("--max-input-len", type=int, default=1024, help="prompts of randint(100, this) tokens")
     parser.add_argument("--max-output-len", type=int, default=1024, help="outputs of randint(100, this)")
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8"],
+                        help="KV cache dtypes, each with every backend (fp8: triton, sdpa)")
     args = parser.parse_args()
     if args.attn_backend is None:
         flash = importlib.util.find_spec("flash_attn") is not None
@@ -102,14 +111,17 @@ def main():
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     model = args.model or f"{args.arch} (random weights)"
     rows = []
-    for backend in args.attn_backend:
+    for backend, kv_dtype in [(b, d) for b in args.attn_backend for d in args.kv_cache_dtype]:
+        name = backend if kv_dtype == "auto" else f"{backend} {kv_dtype}"
         if not args.table:
-            llm = make_llm(args, backend, max_model_len=4096)
-            print_graphs(llm, backend)
+            llm = make_llm(args, backend, kv_dtype, max_model_len=4096)
+            print_kv_cache(llm, name)
+            print_graphs(llm, name)
             tokens, seconds = nano_vllm_workload(llm, args)
-            rows.append(f"| {backend} | {tokens} | {seconds:.2f} | {tokens / seconds:,.0f} |")
+            rows.append(f"| {name} | {tokens} | {seconds:.2f} | {tokens / seconds:,.0f} |")
         else:
-            llm = make_llm(args, backend, max_model_len=2 * max(args.lengths), max_num_seqs=max(args.batches))
+            grid = dict(max_model_len=2 * max(args.lengths), max_num_seqs=max(args.batches))
+            llm = make_llm(args, backend, kv_dtype, **grid)
             cells = []
             for length in args.lengths:
                 for batch in args.batches:
@@ -118,9 +130,10 @@ def main():
                     except torch.OutOfMemoryError:
                         cells.append("OOM")
                         release(llm)
-                        llm = make_llm(args, backend, max_model_len=2 * max(args.lengths), max_num_seqs=max(args.batches))
-                    print(f"{backend} b{batch} L{length}: {cells[-1]}", flush=True)  # kept if a time limit cuts the grid
-            rows.append(f"| {backend} | " + " | ".join(cells) + " |")
+                        llm = make_llm(args, backend, kv_dtype, **grid)
+                    # kept if a time limit cuts the grid
+                    print(f"{name} b{batch} L{length}: {cells[-1]}", flush=True)
+            rows.append(f"| {name} | " + " | ".join(cells) + " |")
         release(llm)
         print(rows[-1], flush=True)
     print(f"\n{model}, {device}, tensor_parallel_size={args.tp}" + ("" if args.table else ", nano-vllm's workload"))

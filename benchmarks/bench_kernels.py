@@ -4,7 +4,9 @@ Decode: one query per sequence over `ctx` cached keys, read through a shuffled b
 method is captured in a CUDA graph that calls it once per "layer copy" (disjoint KV regions, enough
 of them to exceed L2, as a model's layers would), and the median replay time is divided by the
 number of calls. Bandwidth counts the K and V bytes that must be read: sum(context_lens) * Hkv * D *
-2 bytes * 2. Prefill: 4 sequences of 2048 tokens, causal.
+2 bytes * 2. Prefill: 4 sequences of 2048 tokens, causal. Triton runs over a bf16 cache and over
+the same keys and values in an FP8 cache (kv_cache_dtype="fp8": half the bytes, widened in
+registers).
 
     python benchmarks/bench_kernels.py [--quick]
 
@@ -24,6 +26,8 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing nanovllm
+from nanovllm.attention import QUERY_TILE, query_tiles  # noqa: E402
+from nanovllm.attention.fp8 import quantize  # noqa: E402
 from nanovllm.kernels import decode_attention, num_decode_splits, prefill_attention  # noqa: E402
 from nanovllm.kernels.decode import decode_scratch  # noqa: E402
 
@@ -130,6 +134,7 @@ def bench_decode(name, batch, ctx, num_sms, l2_bytes, notes):
     copies = max(1, math.ceil(4 * l2_bytes / kv_bytes))  # enough layer copies that L2 cannot hold them
     k_cache, v_cache, tables = make_pool(copies, batch, ctx, num_kv_heads, head_dim, 256)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")  # one query token per sequence
     q = torch.randn(batch, num_heads, head_dim, dtype=DTYPE, device="cuda")
     splits = num_decode_splits(batch, num_kv_heads, head_dim, MAX_MODEL_LEN, num_sms)
     scratch = decode_scratch(batch, num_heads, num_kv_heads, head_dim, MAX_MODEL_LEN, num_sms, "cuda")
@@ -137,11 +142,17 @@ def bench_decode(name, batch, ctx, num_sms, l2_bytes, notes):
     row = {"splits": splits}
 
     def triton_call(kc, vc, t):
-        return lambda: decode_attention(q, kc, vc, t, lens, scale, splits, scratch)
+        return lambda: decode_attention(q, kc, vc, cu, lens, t, scale, splits, scratch)
 
-    ref = decode_attention(q, k_cache, v_cache, tables[0], lens, scale, splits, scratch)
+    ref = decode_attention(q, k_cache, v_cache, cu, lens, tables[0], scale, splits, scratch)
     row["triton"] = guarded(lambda: bench_graph([triton_call(k_cache, v_cache, t) for t in tables]),
                             notes, f"triton {tag}")
+    k8, v8 = quantize(k_cache, 1.0), quantize(v_cache, 1.0)  # the same keys in an FP8 cache
+    out8 = decode_attention(q, k8, v8, cu, lens, tables[0], scale, splits, scratch)
+    row["fp8_err"] = ((out8.float() - ref.float()).norm() / ref.float().norm()).item()
+    row["fp8"] = guarded(lambda: bench_graph([triton_call(k8, v8, t) for t in tables]), notes,
+                         f"triton fp8 {tag}")
+    k8 = v8 = None  # freed before the relayout below
     row["flash"], row["diff"] = "n/a", "-"
     if flash_attn is not None:
         def flash_call(t):
@@ -161,7 +172,7 @@ def bench_decode(name, batch, ctx, num_sms, l2_bytes, notes):
             row["diff"] = (ref.float() - sdpa_out.float()).abs().max().item()
 
     k_cache, v_cache, tables = relayout(k_cache, v_cache, tables, 16)  # frees the 256-block pools
-    out16 = decode_attention(q, k_cache, v_cache, tables[0], lens, scale, splits, scratch)
+    out16 = decode_attention(q, k_cache, v_cache, cu, lens, tables[0], scale, splits, scratch)
     row["diff16"] = (ref.float() - out16.float()).abs().max().item()
     row["triton16"] = guarded(lambda: bench_graph([triton_call(k_cache, v_cache, t) for t in tables]),
                               notes, f"triton bs16 {tag}")
@@ -181,17 +192,24 @@ def bench_prefill(name, num_seqs, seq_len, notes):
     k = k_cache.flatten(0, 1)[slots]  # [tokens, Hkv, D], the contiguous k, v a model would hand to flash
     v = v_cache.flatten(0, 1)[slots]
     cu = torch.arange(0, tokens + 1, seq_len, dtype=torch.int32, device="cuda")
+    lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device="cuda")
+    tiles = torch.tensor(query_tiles(cu.tolist(), 0), dtype=torch.int32, device="cuda").view(-1, 2)
+    k8, v8 = quantize(k_cache, 1.0), quantize(v_cache, 1.0)
     flops = 4 * num_seqs * seq_len * (seq_len + 1) / 2 * head_dim * num_heads  # QK^T and PV, causal half
     row = {"flops": flops}
 
     def time_us(fn):
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
 
-    def triton_fn():
-        return prefill_attention(q, k_cache, v_cache, cu, cu, table, scale, seq_len)
+    def triton_fn(kc=k_cache, vc=v_cache):
+        return prefill_attention(q, kc, vc, cu, lens, table, tiles, QUERY_TILE, scale)
 
     ref = triton_fn()
     row["triton"] = guarded(lambda: time_us(triton_fn), notes, f"triton prefill {name}")
+    out8 = triton_fn(k8, v8)
+    row["fp8_err"] = ((out8.float() - ref.float()).norm() / ref.float().norm()).item()
+    row["fp8"] = guarded(lambda: time_us(lambda: triton_fn(k8, v8)), notes,
+                         f"triton fp8 prefill {name}")
     row["flash"], row["diff"] = "n/a", "-"
     if flash_attn is not None:
         def flash_fn():
@@ -235,36 +253,44 @@ def main():
 
     print("\n## Decode (paged KV, shuffled block table, CUDA-graph replays)\n")
     print("| heads (q/kv/dim) | batch | ctx | splits | triton us | triton@16 us | flash us | sdpa us "
-          "| triton TB/s | flash TB/s | triton/flash BW | max diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| triton TB/s | flash TB/s | triton/flash BW | max diff | triton fp8 us | fp8 TB/s "
+          "| bf16/fp8 time | fp8 rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, (num_heads, num_kv_heads, head_dim) in HEADS.items():
         for batch in batches:
             for ctx in contexts:
                 result = guarded(lambda: bench_decode(name, batch, ctx, props.multi_processor_count, l2_bytes, notes),
                                  notes, f"decode {name} b{batch} ctx{ctx}")
                 row, kv_bytes = result if isinstance(result, tuple) else ({}, 1)
-                cell = {m: row.get(m, "err") for m in ("splits", "triton", "triton16", "flash", "sdpa")}
+                cell = {m: row.get(m, "err") for m in ("splits", "triton", "triton16", "flash", "sdpa", "fp8",
+                                                       "fp8_err")}
                 tbps = {m: kv_bytes / cell[m] / 1e6 if isinstance(cell[m], float) else "-" for m in ("triton", "flash")}
+                fp8_us = cell["fp8"]
+                tbps["fp8"] = kv_bytes / 2 / fp8_us / 1e6 if isinstance(fp8_us, float) else "-"
                 diffs = [x for x in (row.get("diff"), row.get("diff16")) if isinstance(x, float)]
                 print(f"| {name} {num_heads}/{num_kv_heads}/{head_dim} | {batch} | {ctx} | {cell['splits']} "
                       f"| {fmt(cell['triton'])} | {fmt(cell['triton16'])} | {fmt(cell['flash'])} | {fmt(cell['sdpa'])} "
                       f"| {fmt(tbps['triton'], '.2f')} | {fmt(tbps['flash'], '.2f')} "
-                      f"| {fmt(ratio(cell['flash'], cell['triton']), '.2f')} | {fmt(max(diffs, default='-'), '.1e')} |",
-                      flush=True)
+                      f"| {fmt(ratio(cell['flash'], cell['triton']), '.2f')} | {fmt(max(diffs, default='-'), '.1e')} "
+                      f"| {fmt(fp8_us)} | {fmt(tbps['fp8'], '.2f')} "
+                      f"| {fmt(ratio(cell['triton'], fp8_us), '.2f')} "
+                      f"| {fmt(cell['fp8_err'], '.1e')} |", flush=True)
                 torch.cuda.empty_cache()
 
     print("\n## Prefill (4 sequences x 2048 tokens, causal)\n")
     print("| heads (q/kv/dim) | triton us | flash us | sdpa us | triton TFLOP/s | flash TFLOP/s | triton/flash time "
-          "| max diff |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| max diff | triton fp8 us | bf16/fp8 time | fp8 rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, (num_heads, num_kv_heads, head_dim) in HEADS.items():
         row = guarded(lambda: bench_prefill(name, 4, 2048, notes), notes, f"prefill {name}")
         row = row if isinstance(row, dict) else {"flops": 0.0}
-        cell = {m: row.get(m, "err") for m in ("triton", "flash", "sdpa", "diff")}
+        cell = {m: row.get(m, "err") for m in ("triton", "flash", "sdpa", "diff", "fp8", "fp8_err")}
         tflops = {m: row["flops"] / cell[m] / 1e6 if isinstance(cell[m], float) else "-" for m in ("triton", "flash")}
         print(f"| {name} {num_heads}/{num_kv_heads}/{head_dim} | {fmt(cell['triton'])} | {fmt(cell['flash'])} "
               f"| {fmt(cell['sdpa'])} | {fmt(tflops['triton'])} | {fmt(tflops['flash'])} "
-              f"| {fmt(ratio(cell['triton'], cell['flash']), '.2f')} | {fmt(cell['diff'], '.1e')} |", flush=True)
+              f"| {fmt(ratio(cell['triton'], cell['flash']), '.2f')} | {fmt(cell['diff'], '.1e')} "
+              f"| {fmt(cell['fp8'])} | {fmt(ratio(cell['triton'], cell['fp8']), '.2f')} "
+              f"| {fmt(cell['fp8_err'], '.1e')} |", flush=True)
         torch.cuda.empty_cache()
 
     print("\nNotes: decode times are per call (one layer), median of CUDA-graph replays over enough KV copies to "
@@ -274,7 +300,10 @@ def main():
           "max diff = max |triton - flash| (or - sdpa without flash-attn), also covering triton@16; "
           "bf16 outputs agree to ~1e-2. sdpa gathers K/V into a padded batch each call (that copy is timed). "
           "Prefill times: triton.testing.do_bench medians; triton reads K/V through the block table, "
-          "flash and sdpa take contiguous K/V.")
+          "flash and sdpa take contiguous K/V. "
+          "triton fp8: the same keys and values in an FP8 cache (scale 1); "
+          "fp8 TB/s counts its bytes (half of bf16's); bf16/fp8 time > 1: fp8 faster; "
+          "fp8 rel err = ||fp8 out - bf16 out|| / ||bf16 out||.")
     for note in notes:
         print(f"- {note}")
     print(f"\n(total {time.time() - started:.0f} s)")

@@ -66,7 +66,7 @@ async def one_request(client: httpx.AsyncClient, prompt: list[int], max_tokens: 
                         if not line.startswith("data: {"):
                             continue
                         event, now = json.loads(line[6:]), time.perf_counter()
-                        if event["choices"] and event["choices"][0]["text"]:
+                        if event["choices"]:  # a token (its text may be empty), or the end
                             first, last = first or now, now
                         if event.get("usage"):
                             tokens = event["usage"]["completion_tokens"]

@@ -6,14 +6,14 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from nanovllm.attention import BACKENDS
+from nanovllm.attention import BACKENDS, get_backend
 from nanovllm.models import model_class
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 CHOICES = {"attn_backend": ("", *BACKENDS), "device": ("", "cuda", "cpu"),
            "dtype": ("auto", *DTYPES), "load_format": ("safetensors", "dummy"),
            "preemption_mode": ("recompute", "swap"),
-           "kv_reservation": (None, "oracle", "pow2", "max")}
+           "kv_reservation": (None, "oracle", "pow2", "max"), "kv_cache_dtype": ("auto", "fp8")}
 AT_LEAST_ONE = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size")
 RANGES = {  # option: (test, what is allowed)
     **{name: (lambda v: v >= 1, ">= 1") for name in AT_LEAST_ONE},
@@ -44,6 +44,7 @@ class Config:
     preemption_mode: str = "recompute"   # or "swap": preempted blocks move to a CPU pool
     swap_space: float = 4.0              # GiB of CPU memory for swapped-out blocks
     kv_reservation: str | None = None    # Orca's reservations, not paging: engine/reservation.py
+    kv_cache_dtype: str = "auto"         # "auto": the model's dtype; "fp8": e4m3 (attention/fp8.py)
     skip_tokenizer_init: bool = False
     tokenizer: str = ""                  # "": the model directory's; else a directory holding one
     seed: int = 0
@@ -82,6 +83,9 @@ class Config:
         if not self.attn_backend:
             flash = importlib.util.find_spec("flash_attn") is not None
             self.attn_backend = "sdpa" if self.device == "cpu" else "flash" if flash else "triton"
+        if self.kv_cache_dtype == "fp8" and not get_backend(self.attn_backend).reads_fp8_kv_cache:
+            raise ValueError(f"kv_cache_dtype='fp8' needs attn_backend 'triton' or 'sdpa', not "
+                             f"{self.attn_backend!r} (flash-attn 2 has no FP8 KV cache)")
         if self.dtype != "auto":
             self.torch_dtype = DTYPES[self.dtype]
         else:  # the checkpoint's on CUDA, float32 on CPU

@@ -29,8 +29,10 @@ The file (JSON, one object):
       cpu_tables the same for swapped-out sequences' tables of CPU blocks
       events     [[kind, block or null, seq id or null, extra]], in this order of kinds:
                    finish   a sequence ended; extra: its finish reason ("pruned": a beam let go)
-                   preempt  extra: "recompute" (its blocks freed) or "swap"
-                   free     a table let go of the block; extra: the block's reference count after
+                   preempt  one per sequence of the preempted group; extra: "recompute" (its
+                            blocks freed) or "swap"
+                   free     a table let go of the block; extra: the block's reference count
+                            after the step
                    swap_out the block moved to the CPU pool; extra: its CPU block
                    swap_in  a CPU block came back; extra: the CPU block
                    fork     a sequence forked; extra: its parent (seq-level, block null)
@@ -183,18 +185,19 @@ class Trace:
             self._describe(seq, parent)
             events.append(["fork", None, seq_id, parent])
         origin = [copies.get(b, b) for b in table]
-        shared = _common_prefix(origin, old.tables.get(parent) or self.state.tables.get(parent, ()))
+        parent_table = old.tables.get(parent) or self.state.tables.get(parent, ())
+        shared = _common_prefix(origin, parent_table)
         admitted = not before and seq_id not in old.cpu_tables and parent is None
         for i, b in enumerate(table):
             if i < len(before) and before[i] == b or b in swapped_in:
                 continue
-            if b in copies and (i < len(before) and before[i] == copies[b] or parent is not None):
+            if b in copies:  # a copy's destination is a fresh block in one table: this one
                 events.append(["cow", b, seq_id, copies[b]])
-            if parent is not None and i < shared and b not in copies:
+            elif parent is not None and i < shared:
                 events.append(["share", b, seq_id, parent])
             elif admitted and i < seq.num_hashed_blocks:
                 events.append(["hit", b, seq_id, None])
-            elif b not in copies:
+            else:
                 events.append(["alloc", b, seq_id, None])
         return events
 

@@ -292,6 +292,14 @@ def test_engine_flags_come_from_config():
         build_parser().parse_args(["m", "--attn-backend", "nope"])
 
 
+def test_console_command():
+    from nanovllm.cli import main
+    assert main([]) == 2 and main(["generate"]) == 2
+    with pytest.raises(SystemExit) as exit:
+        main(["serve", "--help"])
+    assert exit.value.code == 0
+
+
 def test_no_key_warning():
     from nanovllm.serve.cli import exposed_without_key
     assert exposed_without_key("0.0.0.0", None) and exposed_without_key("::", "")
@@ -311,6 +319,41 @@ def test_merge_of_queued_outputs():
     sample = merged.outputs[0]
     assert (sample.text, sample.token_ids, len(sample.logprobs)) == ("abc", [1, 2, 3], 3)
     assert sample.finish_reason == "stop" and merged.finished
+
+
+def test_engine_thread_survives_a_failed_step(tiny_path):
+    """A step that raises ends the requests the engine held (with the error), and the engine
+    thread serves the next request as if nothing happened."""
+    import asyncio
+
+    from nanovllm import SamplingParams
+    from nanovllm.serve.engine_thread import EngineFailure, EngineThread
+    from tests.helpers import make_llm
+    llm = make_llm(tiny_path)
+    params = SamplingParams(temperature=0, max_tokens=8, output_kind="final")
+    expected = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
+    real_step = llm.step
+
+    def failing_step():
+        llm.step = real_step  # once
+        raise RuntimeError("boom")
+
+    async def scenario():
+        engine = EngineThread(llm, asyncio.get_running_loop())
+        engine.start()
+        try:
+            llm.step, queue = failing_step, asyncio.Queue()
+            await engine.add(["a", "b"], [[1, 2, 3], [4, 5]], params, queue)
+            failures = [await queue.get(), await queue.get()]
+            queue = asyncio.Queue()
+            await engine.add(["c"], [[1, 2, 3]], params, queue)
+            return failures, await queue.get(), await engine.call(llm.get_stats)
+        finally:
+            engine.stop()
+    failures, out, stats = asyncio.run(scenario())
+    assert all(isinstance(f, EngineFailure) and "boom" in str(f) for f in failures)
+    assert out.finished and out.outputs[0].token_ids == expected
+    assert stats["num_running"] == stats["kv_blocks_used"] == 0
 
 
 def test_config_tokenizer(random_checkpoint, smollm2_dir):

@@ -8,27 +8,25 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.trace import EVENT_ORDER, Trace, replay
 from nanovllm.viz import render_page
-from tests.trace_helpers import (
-    DEMO_OPTIONS,
-    SWAP_OPTIONS,
-    CheckedTrace,
-    engine_truth,
-    run_workload,
-)
+from tests.trace_helpers import (DEMO_OPTIONS, SWAP_OPTIONS, CheckedTrace, crowded_workload,
+                                 engine_truth, run_workload)
 
 MARKER_START = '<script type="application/json" id="trace">'
-MODES = {"recompute": {}, "swap": SWAP_OPTIONS}
+MODES = {"recompute": ({}, run_workload), "swap": (SWAP_OPTIONS, run_workload),  # the demo's
+         "crowded": ({"num_kvcache_blocks": 28}, crowded_workload),
+         "crowded swap": ({**SWAP_OPTIONS, "num_kvcache_blocks": 28}, crowded_workload)}
+DEMO = ["recompute", "swap"]
 
 
 @pytest.fixture(scope="module")
 def traced(tiny_path, tmp_path_factory):
-    """mode -> (trace data, CheckedTrace) of the demo's workload."""
+    """mode -> (trace data, CheckedTrace) of a workload run under those options."""
     runs = {}
-    for mode, options in MODES.items():
+    for mode, (options, workload) in MODES.items():
         llm = LLM(tiny_path, **{**DEMO_OPTIONS, **options})
-        path = tmp_path_factory.mktemp(mode) / "run.json"
+        path = tmp_path_factory.mktemp(mode.replace(" ", "_")) / "run.json"
         with CheckedTrace(llm, path) as trace:
-            run_workload(llm)
+            workload(llm)
         with open(path) as f:
             runs[mode] = json.load(f), trace
     return runs
@@ -71,9 +69,11 @@ def test_swaps_and_preemptions_are_the_engines(traced, mode):
         assert [(b, cpu) for _, b, _, cpu in events(entry, "swap_out")] == batch["swap_out"]
         assert [(cpu, b) for _, b, _, cpu in events(entry, "swap_in")] == batch["swap_in"]
     preempts = [e for entry in all_entries(data) for e in events(entry, "preempt")]
-    assert len(preempts) == trace.truth[-1]["num_preemptions"] >= 1
-    assert {e[3] for e in preempts} == {mode}
-    if mode == "swap":
+    groups = {(i, data["seqs"][str(e[2])]["request"]) for i, entry in enumerate(all_entries(data))
+              for e in events(entry, "preempt")}  # the scheduler counts a group once
+    assert len(groups) == trace.truth[-1]["num_preemptions"] >= 1
+    assert {e[3] for e in preempts} == {data["preemption_mode"]}
+    if data["preemption_mode"] == "swap":
         assert any(batch["swap_in"] for batch in trace.batches)
 
 
@@ -96,7 +96,7 @@ def test_block_events_agree_with_the_engine_state(traced, mode):
         before = truth
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", DEMO)
 def test_prefix_hits_are_the_cached_tokens(traced, mode):
     """A sequence's hit blocks at its first admission make its num_cached_tokens (a full hit still
     computes its last prompt token)."""
@@ -211,3 +211,19 @@ def test_the_page_embeds_the_trace_as_inert_data(traced):
     assert json.loads(inside) == data
     with pytest.raises(ValueError, match="not a nanovllm trace"):
         render_page({"format": "something else"})
+
+
+def test_the_demo_writes_a_trace_and_its_page(tmp_path, monkeypatch, capsys):
+    from benchmarks import trace_demo
+    monkeypatch.setattr("sys.argv", ["trace_demo.py", "--out", str(tmp_path / "demo")])
+    trace_demo.main()
+    data = json.loads((tmp_path / "demo.json").read_text())
+    kinds = {e[0] for entry in all_entries(data) for e in entry["events"]}
+    assert {"hit", "fork", "cow", "preempt"} <= kinds  # what the demo is there to show
+    assert any(info["beam"] for info in data["seqs"].values())
+    page = (tmp_path / "demo.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and json.loads(
+        page.split(MARKER_START)[1].split("</script>")[0]) == data
+    for fetch in ("http", "src=", "<link", "import(", "fetch("):  # no network: nothing to fetch
+        assert fetch not in page
+    assert f"{len(data['steps'])} steps traced" in capsys.readouterr().out

@@ -91,3 +91,17 @@ def synthetic_trace(num_blocks: int, num_steps: int, seed: int = 0) -> dict:
             "num_cpu_blocks": 0, "preemption_mode": "recompute", "model": "synthetic",
             "start": {"tables": {}, "cpu_tables": {}, "cached": []}, "seqs": seqs, "steps": steps,
             "end": None}
+
+
+def crowded_workload(llm):
+    """Samples (n = 1 to 3) and a beam search at once in a cache too small for them: forks, copies
+    on write, preemptions (and swaps) of groups in the same steps."""
+    from nanovllm import SamplingParams
+    rng = random.Random(1)
+    for i in range(5):
+        prompt = [rng.randrange(512) for _ in range(rng.randint(10, 30))]
+        llm.add_request(prompt, SamplingParams(n=rng.choice([1, 2, 3]), temperature=1.0, seed=i,
+                                               max_tokens=24, ignore_eos=True))
+    llm.beam_search([[rng.randrange(512) for _ in range(13)]], beam_width=3, max_tokens=12)
+    while not llm.is_finished():
+        llm.step()

@@ -47,11 +47,13 @@ class AttentionBackend:
     # What a CUDA graph may capture of this backend (vLLM's AttentionCGSupport): "always" (any
     # step), "decode" (steps of decodes only) or "never"; steps it cannot capture run piecewise.
     cudagraph_support = "never"
+    reads_fp8_kv_cache = False  # whether it reads kv_cache_dtype="fp8" (attention/fp8.py)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, config):
         # config: nanovllm.config.Config (max_num_seqs, max_model_len, kvcache_block_size, device)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
+        self.k_scale = self.v_scale = 1.0  # an FP8 cache holds K / k_scale, V / v_scale (fp8.py)
         self.config = config
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:

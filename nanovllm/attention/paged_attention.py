@@ -13,8 +13,12 @@ from nanovllm.attention import AttentionBackend, AttentionMetadata
 from nanovllm.layers.rotary import RotaryEmbedding, norm_rope
 
 
-def store_kv(k, v, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor):
+def store_kv(k, v, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: float = 1.0, v_scale: float = 1.0):
     """Write k, v [N, num_kv_heads, D] into the flattened cache at slot_mapping (skipping -1)."""
+    if k_cache.dtype != k.dtype:  # an FP8 cache: quantized on the way in (attention/fp8.py)
+        from nanovllm.attention.fp8 import store_quantized
+        return store_quantized(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     keep = slot_mapping >= 0
     k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[keep]] = k[keep]
     v_cache.view(-1, *v_cache.shape[2:])[slot_mapping[keep]] = v[keep]
@@ -28,6 +32,7 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.rotary = rotary
         self.backend = backend
+        self.kv_scales = backend.k_scale, backend.v_scale  # what the cache holds is K / k_scale
         # [num_blocks, block_size, num_kv_heads, head_dim] each, bound by the model runner
         self.k_cache = self.v_cache = torch.tensor([])
 
@@ -41,10 +46,11 @@ class PagedAttention(nn.Module):
         if qkv.is_cuda:
             from nanovllm.kernels.store_kv import rope_store  # imports triton: only where it runs
             return rope_store(qkv, positions, self.rotary.cos_sin, self.num_heads, self.k_cache,
-                              self.v_cache, slot_mapping, *norm)
+                              self.v_cache, slot_mapping, *norm, *self.kv_scales)
         num_qk = self.num_heads + self.num_kv_heads
         qk = norm_rope(qkv[:, :num_qk], positions, self.rotary.cos_sin, self.num_heads, *norm)
-        store_kv(qk[:, self.num_heads:], qkv[:, num_qk:], self.k_cache, self.v_cache, slot_mapping)
+        store_kv(qk[:, self.num_heads:], qkv[:, num_qk:], self.k_cache, self.v_cache, slot_mapping,
+                 *self.kv_scales)
         return qk[:, :self.num_heads]
 
     def read(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -11,19 +11,26 @@ import torch.nn.functional as F
 from nanovllm.attention import AttentionBackend, AttentionMetadata
 
 
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """Dense keys (or values) [num_seqs, num_kv_heads, max_blocks * block_size, head_dim]."""
-    blocks = cache[block_tables]  # [num_seqs, max_blocks, block_size, num_kv_heads, head_dim]
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype,
+              scale: float = 1.0) -> torch.Tensor:
+    """Dense keys (or values) in dtype: [num_seqs, num_kv_heads, max_blocks * block_size, D]."""
+    if cache.dtype != dtype:  # an FP8 cache, dequantized as it is gathered (attention/fp8.py)
+        from nanovllm.attention.fp8 import gather_dequantized
+        blocks = gather_dequantized(cache, block_tables, dtype, scale)
+    else:
+        blocks = cache[block_tables]  # [num_seqs, max_blocks, block_size, num_kv_heads, head_dim]
     return blocks.flatten(1, 2).transpose(1, 2)
 
 
 class SDPABackend(AttentionBackend):
+    reads_fp8_kv_cache = True  # dequantized on gather
+
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
         d, cu = meta.num_decodes, meta.cu_seqlens_q_host
         if d:  # one query per sequence: a batch, each row masked to its own context
-            keys = gather_kv(k_cache, meta.block_tables[:d])  # [d, num_kv_heads, L, head_dim]
-            values = gather_kv(v_cache, meta.block_tables[:d])
+            keys = gather_kv(k_cache, meta.block_tables[:d], q.dtype, self.k_scale)  # [d,Hkv,L,D]
+            values = gather_kv(v_cache, meta.block_tables[:d], q.dtype, self.v_scale)
             mask = torch.arange(keys.size(2), device=q.device) < meta.context_lens[:d, None]
             out[:d] = F.scaled_dot_product_attention(
                 q[:d, :, None], keys, values, attn_mask=mask[:, None, None], scale=self.scale,
@@ -31,8 +38,8 @@ class SDPABackend(AttentionBackend):
         for s in range(d, len(cu) - 1):
             q_len, k_len = cu[s + 1] - cu[s], meta.context_lens_host[s]
             table = meta.block_tables[s:s + 1, :-(-k_len // k_cache.size(1))]
-            keys = gather_kv(k_cache, table)[:, :, :k_len]  # [1, num_kv_heads, k_len, head_dim]
-            values = gather_kv(v_cache, table)[:, :, :k_len]
+            keys = gather_kv(k_cache, table, q.dtype, self.k_scale)[:, :, :k_len]  # [1,Hkv,k_len,D]
+            values = gather_kv(v_cache, table, q.dtype, self.v_scale)[:, :, :k_len]
             # query j sits at position k_len - q_len + j: a causal mask aligned to the bottom right
             rows = torch.arange(q_len, device=q.device)[:, None] + (k_len - q_len)
             mask = torch.arange(k_len, device=q.device) <= rows

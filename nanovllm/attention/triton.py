@@ -19,15 +19,19 @@ CPU_NUM_SMS = 4  # the interpreter has no SMs; a few keeps split-KV in play in C
 
 class TritonBackend(AttentionBackend):
     cudagraph_support = "always"
+    reads_fp8_kv_cache = True  # widened in registers (attention/fp8.py)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, config):
         if config.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("attn_backend='triton' on device='cpu' runs only in Triton's interpreter (slow; for "
-                             "tests): set TRITON_INTERPRET=1 before Python starts, or use attn_backend='sdpa'")
+            raise ValueError("attn_backend='triton' on device='cpu' runs only in Triton's "
+                             "interpreter (slow; for tests): set TRITON_INTERPRET=1 before Python "
+                             "starts, or use attn_backend='sdpa'")
         super().__init__(num_heads, num_kv_heads, head_dim, config)
         device = torch.device(config.device)
         on_gpu = device.type == "cuda"
-        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else CPU_NUM_SMS
+        self.num_sms = CPU_NUM_SMS
+        if on_gpu:
+            self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.max_model_len = config.max_model_len
         self.scratch = decode_scratch(config.max_num_seqs, num_heads, num_kv_heads, head_dim,
                                       config.max_model_len, self.num_sms, device)
@@ -36,10 +40,13 @@ class TritonBackend(AttentionBackend):
         out = torch.empty_like(q)
         d = meta.num_decodes
         if d:
-            splits = num_decode_splits(d, self.num_kv_heads, self.head_dim, self.max_model_len, self.num_sms)
+            splits = num_decode_splits(d, self.num_kv_heads, self.head_dim, self.max_model_len,
+                                       self.num_sms)
             decode_attention(q, k_cache, v_cache, meta.cu_seqlens_q[:d + 1], meta.context_lens[:d],
-                             meta.block_tables[:d], self.scale, splits, self.scratch, out)
+                             meta.block_tables[:d], self.scale, splits, self.scratch, out,
+                             self.k_scale, self.v_scale)
         if meta.query_tiles.shape[0]:
-            prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
-                              meta.query_tiles, QUERY_TILE, self.scale, out)
+            prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
+                              meta.block_tables, meta.query_tiles, QUERY_TILE, self.scale, out,
+                              self.k_scale, self.v_scale)
         return out

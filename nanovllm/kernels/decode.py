@@ -11,7 +11,8 @@ to 16 for `tl.dot`), so each K/V tile is read from memory once per group, not on
 
 One launch serves a whole step: program row s is sequence s, whose query token is cu_seqlens_q[s].
 Rows that are not decodes (a prefill chunk of a mixed step, or a CUDA graph's padding, whose query
-length is 0) return at once, so a graph can launch a fixed number of rows and the data says which run.
+length is 0) return at once, so a graph can launch a fixed number of rows and the data says which
+run.
 
 CUDA graphs: NUM_SPLITS comes from static numbers (rows, KV heads, SM count), the chunk length is
 computed inside the kernel from the sequence's context length, the partials go into preallocated
@@ -25,12 +26,14 @@ import triton.language as tl
 
 from nanovllm.kernels.paged import kv_row_offsets
 
-MAX_SPLITS = 64  # more splits than this only adds merge work: 64 chunks of a long context already fill the GPU
+# more splits than this only adds merge work: 64 chunks of a long context already fill the GPU
+MAX_SPLITS = 64
 
 
 @triton.jit
 def _split_range(context_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys [start, end) of one split: the context cut into NUM_SPLITS chunks, each a whole number of tiles."""
+    """Keys [start, end) of one split: the context cut into NUM_SPLITS chunks, each a whole number
+    of tiles."""
     per_split = (context_len + NUM_SPLITS - 1) // NUM_SPLITS
     chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     start = split * chunk
@@ -40,7 +43,7 @@ def _split_range(context_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.const
 @triton.jit(do_not_specialize=["stride_bt"])  # the table width changes from step to step
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr,
-    out_ptr, partial_ptr, lse_ptr, qk_scale,
+    out_ptr, partial_ptr, lse_ptr, qk_scale, v_scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
     stride_ot, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -75,8 +78,10 @@ def _decode_split_kernel(
         keys = start_n + tl.arange(0, BLOCK_N)
         key_mask = keys < end
         kv_rows = kv_row_offsets(block_table_row, keys, key_mask, stride_kb, stride_ks, BLOCK_SIZE)
-        k = tl.load(k_ptr + kv_rows[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
-        v = tl.load(v_ptr + kv_rows[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
+        # an FP8 cache is widened to q's dtype here, in registers; its K scale is in qk_scale
+        kv_offsets = kv_rows[:, None] + dims[None, :]  # [BLOCK_N, D]
+        k = tl.load(k_ptr + kv_offsets, mask=key_mask[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_ptr + kv_offsets, mask=key_mask[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
         s = tl.where(key_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has at least one key < end
@@ -86,21 +91,24 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    out = acc / l_i[:, None]
+    out = acc * (v_scale / l_i)[:, None]  # v_scale: an FP8 cache's V scale (1 otherwise)
     if NUM_SPLITS == 1:  # the one split is the answer: straight to the output row
         dst = out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
     else:
-        dst = partial_ptr + seq * stride_pb + split * stride_ps + heads[:, None] * stride_ph + dims[None, :]
+        dst = (partial_ptr + seq * stride_pb + split * stride_ps + heads[:, None] * stride_ph
+               + dims[None, :])
         tl.store(dst, out, mask=row_mask[:, None])
-        tl.store(lse_ptr + seq * stride_lb + split * stride_ls + heads, m_i + tl.log2(l_i), mask=row_mask)
+        tl.store(lse_ptr + seq * stride_lb + split * stride_ls + heads, m_i + tl.log2(l_i),
+                 mask=row_mask)
 
 
 @triton.jit
 def _merge_splits_kernel(
     partial_ptr, lse_ptr, out_ptr, cu_seqlens_q_ptr, context_lens_ptr,
     stride_pb, stride_ps, stride_ph, stride_lb, stride_ls, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -112,8 +120,9 @@ def _merge_splits_kernel(
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM)
     start, end = _split_range(context_len, splits, NUM_SPLITS, BLOCK_N)
-    live = (splits < NUM_SPLITS) & (start < end)  # the splits that ran; the others left stale scratch
-    lse = tl.load(lse_ptr + seq * stride_lb + splits * stride_ls + head, mask=live, other=float("-inf"))
+    live = (splits < NUM_SPLITS) & (start < end)  # the splits that ran; the rest: stale scratch
+    lse = tl.load(lse_ptr + seq * stride_lb + splits * stride_ls + head, mask=live,
+                  other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, 0))  # [SPLITS_PAD]; 2^-inf = 0 for the dead splits
     partial = tl.load(partial_ptr + seq * stride_pb + splits[:, None] * stride_ps + head * stride_ph
                       + dims[None, :], mask=live[:, None], other=0.0)  # [SPLITS_PAD, D]
@@ -123,19 +132,24 @@ def _merge_splits_kernel(
 
 
 def decode_config(head_dim: int) -> dict:
-    """Tile sizes, measured on an H100 for head_dim 64 and 128: 64 keys a tile, 4 warps, 2-stage pipeline.
+    """Tile sizes, measured on an H100 for head_dim 64 and 128: 64 keys a tile, 4 warps, 2-stage
+    pipeline.
 
     Decode is bound by reading K/V; a small footprint per program (two 64-key tiles in flight) lets
-    several programs share an SM, which hides latency better than deeper pipelines or bigger tiles did.
+    several programs share an SM, which hides latency better than deeper pipelines or bigger tiles
+    did.
     """
     return dict(BLOCK_N=64, num_warps=4, num_stages=2)
 
 
-def num_decode_splits(batch_size: int, num_kv_heads: int, head_dim: int, max_model_len: int, num_sms: int) -> int:
-    """Static split count from the batch shape and the GPU, never from the data (CUDA graphs replay it).
+def num_decode_splits(batch_size: int, num_kv_heads: int, head_dim: int, max_model_len: int,
+                      num_sms: int) -> int:
+    """Static split count from the batch shape and the GPU, never from the data (CUDA graphs replay
+    it).
 
-    With >= 2 (sequence, KV head) programs per SM the GPU is busy and splitting only adds merge work;
-    below that, split so there are ~4 programs per SM, but no more splits than tiles in max_model_len.
+    With >= 2 (sequence, KV head) programs per SM the GPU is busy and splitting only adds merge
+    work; below that, split so there are ~4 programs per SM, but no more splits than tiles in
+    max_model_len.
     """
     programs = batch_size * num_kv_heads
     if programs >= 2 * num_sms:
@@ -144,25 +158,31 @@ def num_decode_splits(batch_size: int, num_kv_heads: int, head_dim: int, max_mod
     return max(1, min(triton.cdiv(4 * num_sms, programs), max_useful, MAX_SPLITS))
 
 
-def decode_scratch(max_num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_model_len: int,
-                   num_sms: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Preallocate the split partials for every batch size up to max_num_seqs (one flat buffer each)."""
+def decode_scratch(max_num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                   max_model_len: int, num_sms: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Preallocate the split partials for every batch size up to max_num_seqs (one flat buffer
+    each)."""
     rows = max(b * num_decode_splits(b, num_kv_heads, head_dim, max_model_len, num_sms)
                for b in range(1, max_num_seqs + 1))
-    partial = torch.empty(rows * num_heads * head_dim, dtype=torch.float32, device=device)  # [B * S * Hq * D]
+    # [B * S * Hq * D]
+    partial = torch.empty(rows * num_heads * head_dim, dtype=torch.float32, device=device)
     lse = torch.empty(rows * num_heads, dtype=torch.float32, device=device)  # [B * S * Hq]
     return partial, lse
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                     block_tables: torch.Tensor,
                      scale: float, num_splits: int = 1, scratch: tuple | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of every sequence with one query token (a decode) over its context_lens[s] cached keys.
+                     out: torch.Tensor | None = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> torch.Tensor:
+    """Attention of every sequence with one query token (a decode) over its context_lens[s] cached
+    keys.
 
-    q [num_tokens, Hq, D] holds the step's queries; sequence s owns tokens cu_seqlens_q[s]:[s + 1]. Rows
-    with any other query length are left alone (a prefill chunk, or padding): writes out[token] of the
-    decodes only, so a mixed step's prefill kernel fills the rest of the same `out`.
+    q [num_tokens, Hq, D] holds the step's queries; sequence s owns tokens cu_seqlens_q[s]:[s + 1].
+    Rows with any other query length are left alone (a prefill chunk, or padding): writes out[token]
+    of the decodes only, so a mixed step's prefill kernel fills the rest of the same `out`. An FP8
+    cache holds K / k_scale and V / v_scale (attention/fp8.py).
     """
     num_heads, head_dim = q.shape[1:]
     num_seqs, num_kv_heads = context_lens.shape[0], k_cache.shape[2]
@@ -175,7 +195,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     cfg = decode_config(head_dim)
     group = num_heads // num_kv_heads
-    partial = lse = out.new_empty(0, 1, 1, 1)  # [B, S, Hq, D] and [B, S, Hq], needed with splits only
+    # [B, S, Hq, D] and [B, S, Hq], needed with splits only
+    partial = lse = out.new_empty(0, 1, 1, 1)
     if num_splits > 1:
         size = num_seqs * num_splits * num_heads
         if scratch is None:
@@ -186,7 +207,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse = scratch[1][:size].view(num_seqs, num_splits, num_heads, 1)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, out, partial, lse,
-        scale * math.log2(math.e),
+        scale * k_scale * math.log2(math.e), v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),

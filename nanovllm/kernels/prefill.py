@@ -29,7 +29,10 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n, k_len
     keys = start_n + tl.arange(0, BLOCK_N)
     key_mask = keys < k_len
     rows = kv_row_offsets(block_table_row, keys, key_mask, stride_kb, stride_ks, BLOCK_SIZE)
-    k = tl.load(k_ptr + rows[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)  # [BLOCK_N, D]
+    # an FP8 cache is widened to q's dtype here, in registers; its K scale is in qk_scale
+    # [BLOCK_N, D]
+    k = tl.load(k_ptr + rows[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
+    k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
     if CAUSAL_MASK:
         s = tl.where((keys[None, :] <= q_pos[:, None]) & key_mask[None, :], s, float("-inf"))
@@ -37,7 +40,8 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n, k_len
     alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_ptr + rows[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)  # [BLOCK_N, D]
+    v = tl.load(v_ptr + rows[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
+    v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
 
@@ -45,7 +49,7 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n, k_len
 @triton.jit(do_not_specialize=["stride_bt"])  # the table width changes from step to step
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr,
-    cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr, query_tiles_ptr, qk_scale,
+    cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr, query_tiles_ptr, qk_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -82,16 +86,16 @@ def _prefill_kernel(
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     causal_end = tl.minimum(first_pos + BLOCK_M, k_len)  # one past the last query's position
     for start_n in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n, k_len,
-                                     q_pos, qk_scale, stride_kb, stride_ks, dims, BLOCK_SIZE, BLOCK_N,
-                                     False)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n,
+                                     k_len, q_pos, qk_scale, stride_kb, stride_ks, dims, BLOCK_SIZE,
+                                     BLOCK_N, False)
     for start_n in range(full_end, causal_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n, k_len,
-                                     q_pos, qk_scale, stride_kb, stride_ks, dims, BLOCK_SIZE, BLOCK_N,
-                                     True)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n,
+                                     k_len, q_pos, qk_scale, stride_kb, stride_ks, dims, BLOCK_SIZE,
+                                     BLOCK_N, True)
 
     # Every real row saw at least key 0, so l_i > 0 there; rows past q_len are not stored.
-    out = acc / l_i[:, None]
+    out = acc * (v_scale / l_i)[:, None]  # v_scale: an FP8 cache's V scale (1 otherwise)
     tl.store(o_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
 
@@ -106,13 +110,15 @@ def prefill_config(head_dim: int) -> dict:
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                       block_tables: torch.Tensor, query_tiles: torch.Tensor, tile_size: int,
-                      scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                      scale: float, out: torch.Tensor | None = None, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of the query tiles over each sequence's keys, read from the cache.
 
     q [num_tokens, Hq, D]; sequence s owns tokens cu_seqlens_q[s]:[s + 1] and has context_lens[s]
     keys, its queries being the last ones. query_tiles [num_tiles, 2] int32 lists (sequence, tile
     index) of `tile_size` queries each, sequence -1 for an unused tile. Writes those queries' rows
-    of `out` (a mixed step's decode kernel writes the others).
+    of `out` (a mixed step's decode kernel writes the others). An FP8 cache holds K / k_scale and
+    V / v_scale (attention/fp8.py).
     """
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
@@ -125,7 +131,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         return out
     _prefill_kernel[(num_heads, query_tiles.shape[0])](
         q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, query_tiles,
-        scale * math.log2(math.e),
+        scale * k_scale * math.log2(math.e), v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],

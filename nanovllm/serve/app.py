@@ -165,6 +165,9 @@ def chat_prompt(llm, messages: list[dict]) -> str:
 async def serve(request: Request, state: ServerState, req, prompts: list, kind: str, prefix: str):
     """Queue the prompts as engine requests, then answer whole or as a stream."""
     engine = state.engine
+    if len(prompts) > state.max_waiting_requests:  # could never be let in: not worth a retry
+        raise APIError(400, f"{len(prompts)} prompts are more than --max-waiting-requests="
+                       f"{state.max_waiting_requests}", "prompt")
     if engine.num_waiting + engine.num_adding + len(prompts) > state.max_waiting_requests:
         raise APIError(503, f"more than {state.max_waiting_requests} requests are waiting "
                        "(--max-waiting-requests); retry later", type="service_unavailable",

@@ -110,7 +110,10 @@ class EngineThread:
                     return
                 commands, self.commands = self.commands, []
             for command in commands:
-                command()
+                try:
+                    command()
+                except Exception:  # an abort or a call failed: this thread must serve on
+                    log.exception("an engine command failed")
             if not self.llm.is_finished():
                 self.step()
             self.num_waiting = len(self.llm.scheduler.waiting)

@@ -146,9 +146,10 @@ def check_fields(body: dict, rules: dict, required: tuple[str, ...]):
     for name, value in body.items():
         if name in IGNORED_WHEN_EMPTY and not value:
             continue
+        if name in IGNORED_WHEN_EMPTY:
+            raise APIError(400, f"'{name}' is not supported by this server", name)
         if name not in rules:
-            raise APIError(400, f"unknown field '{name[:64]}'" if name in IGNORED_WHEN_EMPTY or
-                           len(name) < 64 else "an unknown field", name[:64])
+            raise APIError(400, f"unknown field '{name[:64]}'", name[:64])
         test, allowed = rules[name]
         if value is not None and not test(value):
             raise APIError(400, f"'{name}' must be {allowed}, not {short(value)}", name)

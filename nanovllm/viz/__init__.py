@@ -25,9 +25,10 @@ def embed(trace: dict) -> str:
 
 def render_page(trace: dict) -> str:
     """The page's HTML for a trace (a dict read from a trace file)."""
-    if trace.get("format") != "nanovllm-trace":
-        raise ValueError("not a nanovllm trace: its 'format' is "
-                         f"{trace.get('format')!r}, expected 'nanovllm-trace'")
+    found = trace.get("format") if isinstance(trace, dict) else type(trace).__name__
+    if found != "nanovllm-trace":
+        raise ValueError(f"not a nanovllm trace: its 'format' is {found!r}, "
+                         "expected 'nanovllm-trace'")
     template = files("nanovllm.viz").joinpath("page.html").read_text(encoding="utf-8")
     assert template.count(MARKER) == 1
     head, tail = template.split(MARKER)

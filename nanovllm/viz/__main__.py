@@ -11,7 +11,10 @@ def main():
     parser.add_argument("-o", "--output", help="the HTML file (default: the trace's name, .html)")
     args = parser.parse_args()
     output = args.output or os.path.splitext(args.trace)[0] + ".html"
-    write_page(args.trace, output)
+    try:
+        write_page(args.trace, output)
+    except (OSError, ValueError) as e:  # a missing file, or not a trace (JSON errors too)
+        parser.error(str(e))
     print(f"wrote {output}")
 
 
