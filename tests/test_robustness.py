@@ -313,6 +313,29 @@ def test_interrupted_generate_aborts_its_requests(tiny_path, monkeypatch, driver
     assert_empty(llm)
 
 
+def test_interrupt_while_reading_a_step_aborts_generates_requests(tiny_path, monkeypatch):
+    """Ctrl-C on a GPU most often lands where the host waits for a step's tokens
+    (SampledTokens.tolist): generate's own requests are aborted, a step of theirs stays in
+    flight, and the next generate still serves correctly."""
+    from nanovllm.engine.run_ahead import SampledTokens
+    llm = make_llm(tiny_path)
+    short = random_prompts(1, (5, 5), seed=90)[0]
+    expected = llm.generate([short], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    read, calls = SampledTokens.tolist, count(1)
+
+    def interrupted(self):
+        if next(calls) == 4:
+            raise KeyboardInterrupt
+        return read(self)
+    monkeypatch.setattr(SampledTokens, "tolist", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(random_prompts(4, (10, 40), seed=91), GREEDY, use_tqdm=False)
+    assert_empty(llm)
+    assert llm.in_flight is not None  # the step launched before the interrupt, never read
+    assert llm.generate([short], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+    assert_empty(llm)
+
+
 def test_interrupt_from_a_progress_bar_callback(tiny_path, monkeypatch):
     """Before: an exception raised inside generate's loop (here by its progress bar) left every
     request queued and its blocks held."""
