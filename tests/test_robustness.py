@@ -418,6 +418,49 @@ def test_requests_queued_before_generate_keep_their_outputs(tiny, driver):
     assert_empty(tiny)
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("site", ["execute", "forward", "sample"])
+def test_an_interrupt_inside_a_step_leaves_other_requests_intact(tiny_path, tiny, monkeypatch,
+                                                                 site, mode):
+    """Ctrl-C lands inside the model runner (before the block moves, in the forward, or in the
+    sampler) while a generate runs beside requests queued earlier with add_request, in a cache
+    that preempts. The step never launched: its sequences start over, and the earlier requests
+    end with the tokens of an unconstrained run. Before: they kept the placeholders of the step
+    that never ran: a token -1 in the output and wrong tokens after it, or an IndexError in a
+    later step (index 3 is out of bounds for dimension 0 with size 2)."""
+    import nanovllm.engine.model_runner as model_runner
+    llm = make_llm(tiny_path, num_kvcache_blocks=14, preemption_mode=mode, swap_space=0.001,
+                   max_num_batched_tokens=32)
+    early = random_prompts(3, (10, 30), seed=88)
+    params = [SamplingParams(n=n, temperature=1.0, seed=n, max_tokens=25, ignore_eos=True)
+              for n in (1, 2, 3)]
+    expected = [[s.token_ids for s in out.outputs]
+                for out in tiny.generate(early, params, use_tqdm=False)]
+    ids = [llm.add_request(p, sp) for p, sp in zip(early, params)]
+    for _ in range(3):
+        llm.held += llm.step()
+    calls = count(1)
+
+    def interrupting(function):
+        def wrapper(*args):
+            if next(calls) == 3:
+                raise KeyboardInterrupt
+            return function(*args)
+        return wrapper
+    runner = llm.model_runner
+    if site == "sample":
+        monkeypatch.setattr(model_runner, "sample", interrupting(model_runner.sample))
+    else:
+        owner = runner if site == "execute" else runner.model
+        monkeypatch.setattr(owner, site, interrupting(getattr(owner, site)))
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(random_prompts(3, (10, 40), seed=89), GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    finals = {o.request_id: o for o in drain(llm) if o.finished}
+    assert [[s.token_ids for s in finals[i].outputs] for i in ids] == expected
+    assert_empty(llm)
+
+
 def test_interrupted_generate_keeps_requests_queued_before_it(tiny, monkeypatch):
     """An interrupted generate aborts its own requests only: one queued before it with
     add_request still runs to its end, with the tokens it gets alone."""

@@ -116,7 +116,12 @@ class LLMEngine:
             if batch.seqs or batch.swap_in or batch.swap_out:  # a step may only move blocks
                 if self.tracer is not None:
                     self.tracer.on_step(batch)
-                launched = batch, self.model_runner.run(batch)
+                try:
+                    launched = batch, self.model_runner.run(batch)
+                except BaseException:  # never launched: its sequences start over (requeue.py)
+                    from nanovllm.engine.requeue import requeue_unlaunched
+                    requeue_unlaunched(self.scheduler, batch)
+                    raise
                 self.output_processor.started(batch)
         previous, self.in_flight = self.in_flight, launched
         outputs, self.held = self.held, []

@@ -1,0 +1,36 @@
+"""A step that failed to launch (an exception, or Ctrl-C, inside the model runner) leaves what
+scheduling it recorded: placeholders for tokens it will never sample, progress it never made, block
+copies and swaps it never ran. Its sequences, and the groups it swapped in or out, are preempted by
+recomputation (the vLLM paper, section 4.5): they wait again with their real tokens and no KV, so
+requests that other callers queued go on with the tokens they would have had.
+"""
+from collections import deque
+
+from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
+from nanovllm.engine.sequence import SequenceStatus
+
+
+def requeue_unlaunched(scheduler: Scheduler, batch: ScheduledBatch):
+    """Undo what scheduling `batch` recorded, for a batch the model runner never ran."""
+    for seq, _, position in batch.sampled:  # this step's placeholders
+        del seq.token_ids[position:]
+    groups = {id(seq.group): seq.group for seq in batch.seqs}
+    swapped_in = {gpu for _, gpu in batch.swap_in}  # blocks the step would have filled
+    swapped_out = {cpu for _, cpu in batch.swap_out}
+    for seq in scheduler.running:
+        if swapped_in.intersection(seq.block_table):
+            groups[id(seq.group)] = seq.group
+    for group in scheduler.swap.swapped if scheduler.swap else []:
+        if any(swapped_out.intersection(seq.block_table) for seq in group):
+            groups[id(group)] = group
+    for group in groups.values():
+        for seq in reversed(group):
+            if seq.is_finished or seq.status == SequenceStatus.WAITING:
+                continue
+            if seq.status == SequenceStatus.SWAPPED:
+                scheduler.swap.drop(seq)
+            scheduler.block_manager.free(seq)
+            seq.block_table, seq.num_computed_tokens = [], 0
+            seq.status = SequenceStatus.WAITING
+            scheduler.waiting.appendleft(seq)
+    scheduler.running = deque(s for s in scheduler.running if s.status == SequenceStatus.RUNNING)
