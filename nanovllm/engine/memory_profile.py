@@ -10,6 +10,7 @@ import logging
 import torch
 
 from nanovllm.engine.sequence import Sequence, num_blocks_for
+from nanovllm.engine.step_inputs import StepInputs
 from nanovllm.layers.sampler import sample
 from nanovllm.sampling_params import SamplingParams
 
@@ -18,7 +19,6 @@ logger = logging.getLogger(__name__)
 
 @torch.inference_mode()
 def num_blocks_that_fit(runner) -> int:
-    from nanovllm.engine.model_runner import StepInputs
     config, device, kv_cache = runner.config, runner.device, runner.kv_cache
     kv_cache.allocate(1)
     torch.cuda.reset_peak_memory_stats(device)
