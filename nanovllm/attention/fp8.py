@@ -44,9 +44,10 @@ def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tenso
 def store_quantized(k, v, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                     k_scale: float, v_scale: float):
     """store_kv into FP8 caches: k, v [N, num_kv_heads, D] quantized, then written as bytes."""
-    from nanovllm.attention.paged_attention import store_kv
-    store_kv(quantize(k, k_scale).view(torch.uint8), quantize(v, v_scale).view(torch.uint8),
-             k_cache.view(torch.uint8), v_cache.view(torch.uint8), slot_mapping)
+    keep = slot_mapping >= 0
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        rows = cache.view(torch.uint8).view(-1, *cache.shape[2:])  # one row per slot
+        rows[slot_mapping[keep]] = quantize(x[keep], scale).view(torch.uint8)
 
 
 def gather_dequantized(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype,

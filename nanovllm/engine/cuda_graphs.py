@@ -21,7 +21,7 @@ import time
 import torch
 
 from nanovllm.attention import QUERY_TILE
-from nanovllm.engine.model_runner import field_sizes, unpack
+from nanovllm.engine.step_inputs import field_sizes, unpack
 
 
 def token_ladder(largest: int) -> list[int]:

@@ -10,6 +10,7 @@ import logging
 import torch
 
 from nanovllm.engine.sequence import Sequence, num_blocks_for
+from nanovllm.engine.step_inputs import StepInputs
 from nanovllm.layers.sampler import sample
 from nanovllm.sampling_params import SamplingParams
 
@@ -18,7 +19,6 @@ logger = logging.getLogger(__name__)
 
 @torch.inference_mode()
 def num_blocks_that_fit(runner) -> int:
-    from nanovllm.engine.model_runner import StepInputs
     config, device, kv_cache = runner.config, runner.device, runner.kv_cache
     kv_cache.allocate(1)
     torch.cuda.reset_peak_memory_stats(device)
@@ -31,7 +31,9 @@ def num_blocks_that_fit(runner) -> int:
     runner.execute(StepInputs([0] * cu[-1], list(range(length)) * num_seqs, slots * num_seqs, cu,
                               [length] * num_seqs, [table] * num_seqs, 0,
                               [end - 1 for end in cu[1:]]))
-    logits = torch.randn(config.max_num_seqs, config.hf_config["vocab_size"], device=device)
+    # logits in the model's dtype: the sampling kernel compiles here for the dtype it will see
+    logits = torch.randn(config.max_num_seqs, config.hf_config["vocab_size"], device=device,
+                         dtype=config.torch_dtype)
     # top-p's sort is the sampler's peak
     for params in (SamplingParams(top_p=0.9), SamplingParams()):
         rows = [(Sequence([0], params, 1), 0)] * config.max_num_seqs

@@ -64,12 +64,15 @@ def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: in
     rows, vocab = logits.shape
     assert logits.stride(-1) == 1 and temperatures.shape == (rows,)
     chunks = triton.cdiv(vocab, block)
-    stats = torch.empty(2, rows, chunks, dtype=torch.float32, device=logits.device)
+    # each in an allocation of its own: 16-byte aligned for any row count (a slice of one tensor
+    # is not, and Triton compiles a kernel per pointer alignment, in the middle of a run)
+    maxes = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
+    sums = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     argmax = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
     token = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    _chunk_stats_kernel[(rows, chunks)](logits, temperatures, stats[0], stats[1], argmax, vocab,
+    _chunk_stats_kernel[(rows, chunks)](logits, temperatures, maxes, sums, argmax, vocab,
                                         logits.stride(0), BLOCK=block)
-    _pick_kernel[(rows,)](logits, temperatures, stats[0], stats[1], argmax, token, seed, vocab,
+    _pick_kernel[(rows,)](logits, temperatures, maxes, sums, argmax, token, seed, vocab,
                           chunks, logits.stride(0), BLOCK=block,
                           CHUNKS_PAD=triton.next_power_of_2(chunks))
     return token
