@@ -116,3 +116,26 @@ def test_shutdown_frees_the_gpu_for_the_next_engine(qwen3_dir):
         gc.collect()
         torch.cuda.empty_cache()
     assert blocks[-1] >= 0.95 * blocks[0], blocks
+
+
+def test_penalties_in_cuda_graph_steps_equal_eager_steps(qwen3_dir):
+    """Penalties and min_tokens act on the logits a CUDA graph returns, with the tokens of the step
+    in flight filled in on the device: the same greedy tokens as eager steps, and not those of the
+    same requests without penalties."""
+    random.seed(3)
+    prompts = [[random.randrange(1000, 20000) for _ in range(n)] for n in (40, 300, 7, 120)]
+    penalized = SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3,
+                               presence_penalty=0.5, frequency_penalty=0.3, min_tokens=8)
+    tokens = {}
+    for eager, params in ((False, penalized), (True, penalized), (False, SamplingParams(
+            temperature=0, max_tokens=24))):
+        llm = LLM(qwen3_dir, attn_backend="triton", skip_tokenizer_init=True, dtype="float32",
+                  enforce_eager=eager, max_model_len=1024, gpu_memory_utilization=0.3)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        tokens[eager, params.repetition_penalty] = [o.outputs[0].token_ids for o in outs]
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert tokens[False, 1.3] == tokens[True, 1.3]
+    assert tokens[False, 1.3] != tokens[False, 1.0]
