@@ -331,8 +331,41 @@ def test_interrupt_while_reading_a_step_aborts_generates_requests(tiny_path, mon
     with pytest.raises(KeyboardInterrupt):
         llm.generate(random_prompts(4, (10, 40), seed=91), GREEDY, use_tqdm=False)
     assert_empty(llm)
-    assert llm.in_flight is not None  # the step launched before the interrupt, never read
+    assert llm.in_flight is None  # the step launched before the interrupt used the lost tokens
     assert llm.generate([short], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+    assert_empty(llm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_interrupt_while_reading_leaves_other_requests_intact(tiny_path, tiny, monkeypatch, mode):
+    """Ctrl-C while the host waits for a step's tokens, with requests queued earlier by another
+    caller: the tokens of that step are lost, and the step launched after it used them on the
+    device. Both steps' sequences start over, and the earlier requests end with the tokens of an
+    unconstrained run. Before: they kept the lost step's placeholders."""
+    from nanovllm.engine.run_ahead import SampledTokens
+    llm = make_llm(tiny_path, num_kvcache_blocks=14, preemption_mode=mode, swap_space=0.001,
+                   max_num_batched_tokens=32)
+    early = random_prompts(3, (10, 30), seed=92)
+    params = [SamplingParams(n=n, temperature=1.0, seed=n, max_tokens=25, ignore_eos=True)
+              for n in (1, 2, 3)]
+    expected = [[s.token_ids for s in out.outputs]
+                for out in tiny.generate(early, params, use_tqdm=False)]
+    ids = [llm.add_request(p, sp) for p, sp in zip(early, params)]
+    for _ in range(3):
+        outputs = llm.step()
+        llm.held.extend(outputs)
+    read, calls = SampledTokens.tolist, count(1)
+
+    def interrupted(self):
+        if next(calls) == 3:
+            raise KeyboardInterrupt
+        return read(self)
+    monkeypatch.setattr(SampledTokens, "tolist", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(random_prompts(3, (10, 40), seed=93), GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    finals = {o.request_id: o for o in drain(llm) if o.finished}
+    assert [[s.token_ids for s in finals[i].outputs] for i in ids] == expected
     assert_empty(llm)
 
 
@@ -461,7 +494,8 @@ def test_an_interrupt_inside_a_step_leaves_other_requests_intact(tiny_path, tiny
                 for out in tiny.generate(early, params, use_tqdm=False)]
     ids = [llm.add_request(p, sp) for p, sp in zip(early, params)]
     for _ in range(3):
-        llm.held += llm.step()
+        outputs = llm.step()  # `held += step()` would add the held outputs step() returns twice
+        llm.held.extend(outputs)
     calls = count(1)
 
     def interrupting(function):

@@ -119,19 +119,34 @@ class LLMEngine:
                 try:
                     launched = batch, self.model_runner.run(batch)
                 except BaseException:  # never launched: its sequences start over (requeue.py)
-                    from nanovllm.engine.requeue import requeue_unlaunched
-                    requeue_unlaunched(self.scheduler, batch)
+                    from nanovllm.engine.requeue import requeue
+                    requeue(self.scheduler, [batch])
                     raise
                 self.output_processor.started(batch)
         previous, self.in_flight = self.in_flight, launched
         outputs, self.held = self.held, []
-        if previous:
-            outputs += self._read_step(*previous)
-        if launched and (all(seq.is_finished for seq, _, _ in batch.sampled) or any(
-                seq.beam_width or seq.params.logprobs is not None for seq in batch.seqs)):
-            outputs += self._read_step(*launched)  # needed now, or needed by nobody
-            self.in_flight = None
+        pending = [step for step in (previous, launched) if step]  # lost if a read is interrupted
+        try:
+            if previous:
+                outputs += self._read_step(*previous)
+                pending.pop(0)
+            if launched and (all(seq.is_finished for seq, _, _ in batch.sampled) or any(
+                    seq.beam_width or seq.params.logprobs is not None for seq in batch.seqs)):
+                self.in_flight = None  # read now: needed now, or needed by nobody
+                outputs += self._read_step(*launched)
+        except BaseException:  # interrupted while waiting: those tokens are lost (requeue.py)
+            self._lose([batch for batch, _ in pending], outputs)
+            raise
         return outputs
+
+    def _lose(self, batches: list[ScheduledBatch], outputs: list[RequestOutput]):
+        """Steps whose tokens will not be read (the one the host waited for, and the one launched
+        after it, which took those tokens on the device): their sequences start over; the outputs
+        so far wait for the next step()."""
+        from nanovllm.engine.requeue import requeue
+        requeue(self.scheduler, batches)
+        self.in_flight = None
+        self.held = outputs
 
     def _read_step(self, batch: ScheduledBatch, sampled: SampledTokens) -> list[RequestOutput]:
         """Wait for a launched step's tokens, record them, and return the requests' outputs."""

@@ -1,8 +1,9 @@
-"""A step that failed to launch (an exception, or Ctrl-C, inside the model runner) leaves what
-scheduling it recorded: placeholders for tokens it will never sample, progress it never made, block
-copies and swaps it never ran. Its sequences, and the groups it swapped in or out, are preempted by
-recomputation (the vLLM paper, section 4.5): they wait again with their real tokens and no KV, so
-requests that other callers queued go on with the tokens they would have had.
+"""A step that failed to launch (an exception, or Ctrl-C, inside the model runner), or whose tokens
+the host was interrupted waiting for, leaves what scheduling it recorded: placeholders for tokens
+nobody will read, progress that does not count, block copies and swaps to forget. Its sequences, and
+the groups it swapped in or out, are preempted by recomputation (the vLLM paper, section 4.5): they
+wait again with their real tokens and no KV, so requests that other callers queued go on with the
+tokens they would have had.
 """
 from collections import deque
 
@@ -10,13 +11,15 @@ from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import SequenceStatus
 
 
-def requeue_unlaunched(scheduler: Scheduler, batch: ScheduledBatch):
-    """Undo what scheduling `batch` recorded, for a batch the model runner never ran."""
-    for seq, _, position in batch.sampled:  # this step's placeholders
-        del seq.token_ids[position:]
-    groups = {id(seq.group): seq.group for seq in batch.seqs}
-    swapped_in = {gpu for _, gpu in batch.swap_in}  # blocks the step would have filled
-    swapped_out = {cpu for _, cpu in batch.swap_out}
+def requeue(scheduler: Scheduler, batches: list[ScheduledBatch]):
+    """Undo what scheduling the batches recorded (in launch order), for batches whose tokens will
+    never be read: never launched, or lost while the host waited for them."""
+    for batch in batches:
+        for seq, _, position in batch.sampled:  # the steps' placeholders
+            del seq.token_ids[position:]
+    groups = {id(seq.group): seq.group for batch in batches for seq in batch.seqs}
+    swapped_in = {gpu for batch in batches for _, gpu in batch.swap_in}  # blocks they filled
+    swapped_out = {cpu for batch in batches for _, cpu in batch.swap_out}
     for seq in scheduler.running:
         if swapped_in.intersection(seq.block_table):
             groups[id(seq.group)] = seq.group
