@@ -87,3 +87,13 @@ def until_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
         if t in eos_ids:
             return tokens[:i + 1]
     return tokens
+
+
+def drain(llm) -> list:
+    """Step until nothing is queued or in flight; every output the steps returned."""
+    outputs = []
+    for _ in range(10_000):
+        if llm.is_finished():
+            return outputs
+        outputs += llm.step()
+    raise AssertionError("the engine never finished")

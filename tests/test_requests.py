@@ -14,7 +14,7 @@ import nanovllm.llm
 from nanovllm import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.streaming import Stream
-from tests.helpers import FRANCE, FRANCE_ANSWER, chat, make_llm, random_prompts
+from tests.helpers import FRANCE, FRANCE_ANSWER, chat, drain, make_llm, random_prompts
 
 JAPANESE = "How do you say 'thank you' in Japanese? Answer in Japanese script."  # greedy: kana
 STATS_KEYS = {"num_running", "num_waiting", "num_swapped", "kv_blocks_used", "kv_blocks_total",
@@ -24,16 +24,6 @@ STATS_KEYS = {"num_running", "num_waiting", "num_swapped", "kv_blocks_used", "kv
 
 def greedy(**kwargs) -> SamplingParams:
     return SamplingParams(temperature=0, **{"max_tokens": 24, **kwargs})
-
-
-def drain(llm) -> list:
-    """Step until nothing is queued or in flight; every output the steps returned."""
-    outputs = []
-    for _ in range(10_000):
-        if llm.is_finished():
-            return outputs
-        outputs += llm.step()
-    raise AssertionError("the engine never finished")
 
 
 def by_request(outputs) -> dict:

@@ -18,7 +18,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
-from tests.helpers import make_llm, random_prompts
+from tests.helpers import drain, make_llm, random_prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -35,16 +35,6 @@ def copy_checkpoint(src: str, dst, **config_changes) -> str:
     with open(path, "w") as f:
         json.dump(config, f)
     return str(dst)
-
-
-def drain(llm) -> list:
-    """Step until nothing is queued or in flight; every output the steps returned."""
-    outputs = []
-    for _ in range(10_000):
-        if llm.is_finished():
-            return outputs
-        outputs += llm.step()
-    raise AssertionError("the engine never finished")
 
 
 def assert_empty(llm):
@@ -275,6 +265,33 @@ def test_random_aborts_under_preemption(tiny_path, tiny, mode):
                     [s.token_ids for s in ref.outputs]
 
 
+def interrupt_at(call: int, function):
+    """`function`, raising KeyboardInterrupt at its call number `call` (Ctrl-C landing there)."""
+    calls = count(1)
+
+    def wrapper(*args):
+        if next(calls) == call:
+            raise KeyboardInterrupt
+        return function(*args)
+    return wrapper
+
+
+def queue_earlier_requests(llm, tiny, seed: int) -> tuple[list, list]:
+    """Three requests (n = 1, 2, 3 seeded samples) queued with add_request and stepped three
+    times, as another caller would: their ids, and each sample's tokens in an unconstrained run on
+    `tiny`."""
+    early = random_prompts(3, (10, 30), seed=seed)
+    params = [SamplingParams(n=n, temperature=1.0, seed=n, max_tokens=25, ignore_eos=True)
+              for n in (1, 2, 3)]
+    expected = [[s.token_ids for s in out.outputs]
+                for out in tiny.generate(early, params, use_tqdm=False)]
+    ids = [llm.add_request(p, sp) for p, sp in zip(early, params)]
+    for _ in range(3):
+        outputs = llm.step()  # `held += step()` would add the held outputs step() returns twice
+        llm.held.extend(outputs)
+    return ids, expected
+
+
 def count_steps(llm, monkeypatch, raise_at: int | None = None):
     """Wrap llm.step: counts its calls, and raises KeyboardInterrupt at call `raise_at`."""
     step, calls = llm.step, count(1)
@@ -315,19 +332,13 @@ def test_interrupted_generate_aborts_its_requests(tiny_path, monkeypatch, driver
 
 def test_interrupt_while_reading_a_step_aborts_generates_requests(tiny_path, monkeypatch):
     """Ctrl-C on a GPU most often lands where the host waits for a step's tokens
-    (SampledTokens.tolist): generate's own requests are aborted, a step of theirs stays in
-    flight, and the next generate still serves correctly."""
+    (SampledTokens.tolist): generate's own requests are aborted, the step launched after the
+    one it waited for is dropped too, and the next generate still serves correctly."""
     from nanovllm.engine.run_ahead import SampledTokens
     llm = make_llm(tiny_path)
     short = random_prompts(1, (5, 5), seed=90)[0]
     expected = llm.generate([short], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    read, calls = SampledTokens.tolist, count(1)
-
-    def interrupted(self):
-        if next(calls) == 4:
-            raise KeyboardInterrupt
-        return read(self)
-    monkeypatch.setattr(SampledTokens, "tolist", interrupted)
+    monkeypatch.setattr(SampledTokens, "tolist", interrupt_at(4, SampledTokens.tolist))
     with pytest.raises(KeyboardInterrupt):
         llm.generate(random_prompts(4, (10, 40), seed=91), GREEDY, use_tqdm=False)
     assert_empty(llm)
@@ -345,22 +356,8 @@ def test_interrupt_while_reading_leaves_other_requests_intact(tiny_path, tiny, m
     from nanovllm.engine.run_ahead import SampledTokens
     llm = make_llm(tiny_path, num_kvcache_blocks=14, preemption_mode=mode, swap_space=0.001,
                    max_num_batched_tokens=32)
-    early = random_prompts(3, (10, 30), seed=92)
-    params = [SamplingParams(n=n, temperature=1.0, seed=n, max_tokens=25, ignore_eos=True)
-              for n in (1, 2, 3)]
-    expected = [[s.token_ids for s in out.outputs]
-                for out in tiny.generate(early, params, use_tqdm=False)]
-    ids = [llm.add_request(p, sp) for p, sp in zip(early, params)]
-    for _ in range(3):
-        outputs = llm.step()
-        llm.held.extend(outputs)
-    read, calls = SampledTokens.tolist, count(1)
-
-    def interrupted(self):
-        if next(calls) == 3:
-            raise KeyboardInterrupt
-        return read(self)
-    monkeypatch.setattr(SampledTokens, "tolist", interrupted)
+    ids, expected = queue_earlier_requests(llm, tiny, seed=92)
+    monkeypatch.setattr(SampledTokens, "tolist", interrupt_at(3, SampledTokens.tolist))
     with pytest.raises(KeyboardInterrupt):
         llm.generate(random_prompts(3, (10, 40), seed=93), GREEDY, use_tqdm=False)
     monkeypatch.undo()
@@ -487,29 +484,13 @@ def test_an_interrupt_inside_a_step_leaves_other_requests_intact(tiny_path, tiny
     import nanovllm.engine.model_runner as model_runner
     llm = make_llm(tiny_path, num_kvcache_blocks=14, preemption_mode=mode, swap_space=0.001,
                    max_num_batched_tokens=32)
-    early = random_prompts(3, (10, 30), seed=88)
-    params = [SamplingParams(n=n, temperature=1.0, seed=n, max_tokens=25, ignore_eos=True)
-              for n in (1, 2, 3)]
-    expected = [[s.token_ids for s in out.outputs]
-                for out in tiny.generate(early, params, use_tqdm=False)]
-    ids = [llm.add_request(p, sp) for p, sp in zip(early, params)]
-    for _ in range(3):
-        outputs = llm.step()  # `held += step()` would add the held outputs step() returns twice
-        llm.held.extend(outputs)
-    calls = count(1)
-
-    def interrupting(function):
-        def wrapper(*args):
-            if next(calls) == 3:
-                raise KeyboardInterrupt
-            return function(*args)
-        return wrapper
+    ids, expected = queue_earlier_requests(llm, tiny, seed=88)
     runner = llm.model_runner
     if site == "sample":
-        monkeypatch.setattr(model_runner, "sample", interrupting(model_runner.sample))
+        monkeypatch.setattr(model_runner, "sample", interrupt_at(3, model_runner.sample))
     else:
         owner = runner if site == "execute" else runner.model
-        monkeypatch.setattr(owner, site, interrupting(getattr(owner, site)))
+        monkeypatch.setattr(owner, site, interrupt_at(3, getattr(owner, site)))
     with pytest.raises(KeyboardInterrupt):
         llm.generate(random_prompts(3, (10, 40), seed=89), GREEDY, use_tqdm=False)
     monkeypatch.undo()
