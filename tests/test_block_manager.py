@@ -5,7 +5,7 @@ from collections import OrderedDict
 import pytest
 
 from nanovllm import SamplingParams
-from nanovllm.engine.block_manager import BlockManager, hash_block
+from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, num_blocks_for, slot_mapping
 
 BS = 4  # tokens per block
@@ -35,15 +35,17 @@ def test_slot_mapping():
     assert slot_mapping(table, 4, 8, BS) == [8, 9, 10, 11] and slot_mapping(table, 3, 3, BS) == []
 
 
-def test_hash_block_chains():
-    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
-    h = hash_block(a, None)
-    assert h == hash_block(list(a), None) and isinstance(h, int) and 0 <= h < 2**64
-    assert hash_block(a, None) != hash_block(b, None)
-    assert hash_block(b, h) != hash_block(b, None)                  # the prefix is part of the key
-    assert hash_block(b, h) != hash_block(b, hash_block(b, None))
-    assert hash_block([1, 2], None) != hash_block([2, 1], None)      # order matters
-    assert hash_block([256], None) != hash_block([1, 0], None)       # token ids are not bytes
+def test_block_keys_chain():
+    """A block's key is its tokens after the name of what the block before it holds."""
+    bm = BlockManager(10, BS)
+    seq = seq_of([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    bm.allocate(seq)
+    compute(bm, seq)
+    first, second = (bm.blocks[b] for b in seq.block_table[:2])
+    assert first.key == (None, (1, 2, 3, 4))
+    assert second.key == (first.content_id, (5, 6, 7, 8))
+    assert first.content_id != second.content_id
+    assert bm.blocks[seq.block_table[2]].key is None  # not full: not registered
 
 
 # ---------- allocation and reference counts ----------
@@ -142,14 +144,13 @@ def test_cache_computed_blocks_registers_full_blocks_only():
     seq = seq_of(range(10))
     bm.allocate(seq)
     compute(bm, seq, 6)  # block 0 full, block 1 half computed
-    h0 = hash_block([0, 1, 2, 3], None)
-    assert bm.cached_blocks == {h0: seq.block_table[0]}
+    k0 = (None, (0, 1, 2, 3))
+    assert bm.cached_blocks == {k0: seq.block_table[0]}
     assert seq.num_hashed_blocks == 1
     compute(bm, seq)  # all 10: blocks 0 and 1 full
-    h1 = hash_block([4, 5, 6, 7], h0)
-    assert bm.cached_blocks == {h0: seq.block_table[0], h1: seq.block_table[1]}
-    assert bm.blocks[seq.block_table[1]].hash == h1
-    assert bm.blocks[seq.block_table[1]].token_ids == [4, 5, 6, 7]
+    k1 = (bm.blocks[seq.block_table[0]].content_id, (4, 5, 6, 7))
+    assert bm.cached_blocks == {k0: seq.block_table[0], k1: seq.block_table[1]}
+    assert bm.blocks[seq.block_table[1]].key == k1
     assert seq.num_hashed_blocks == 2
 
 
@@ -229,14 +230,16 @@ def test_taking_a_block_forgets_what_it_cached():
     assert bm.allocate(again) and again.num_cached_tokens == 8
 
 
-def test_collision_is_caught_by_tokens_and_prefix(monkeypatch):
-    import nanovllm.engine.block_manager as block_manager
-    monkeypatch.setattr(block_manager, "hash_block", lambda tokens, prev: 0)
+def test_hash_collision_is_not_a_hit():
+    """Python hashes 0 and 2**61 - 1 alike, so these blocks' keys collide: the dict compares them."""
+    m = 2**61 - 1
+    assert hash((None, (0, 0, 0, 0))) == hash((None, (m, m, m, m)))
     bm = BlockManager(10, BS)
-    a = seq_of([1, 1, 1, 1, 2, 2, 2, 2])
+    a = seq_of([0, 0, 0, 0, 2, 2, 2, 2])
     bm.allocate(a)
     compute(bm, a)
-    for tokens, cached in [([1, 1, 1, 1, 1, 1, 1, 1, 5], 4), ([2, 2, 2, 2, 5], 0), ([3, 3, 3, 3, 5], 0)]:
+    for tokens, cached in [([m, m, m, m, 5], 0), ([0, 0, 0, 0, 0, 0, 0, 0, 5], 4),
+                           ([2, 2, 2, 2, 5], 0), ([0, 0, 0, 0, 5], 4)]:
         s = seq_of(tokens)
         bm.allocate(s)
         assert s.num_cached_tokens == cached, tokens

@@ -1,12 +1,12 @@
-"""The block manager: PagedAttention's KV-cache allocator with hash-based prefix caching.
+"""The block manager: PagedAttention's KV-cache allocator with prefix caching.
 
-The cache is a pool of fixed-size blocks; each sequence owns a block table (a list of block ids)
-and blocks are shared through reference counts. A full block whose K/V have been computed is
-registered under a hash of its tokens chained with the previous block's hash, so a later prompt
-with the same prefix reuses it. The hash is only a hint: a hit is confirmed by comparing the
-block's tokens and the identity of the prefix before them (`content_id`), so a hash collision
-never returns wrong K/V. A freed block keeps its contents and stays findable until it is taken
-for new data; free blocks are taken least recently freed first. Every operation is O(1) per block.
+The cache is a pool of fixed-size blocks; each sequence owns a block table (a list of block ids) and
+blocks are shared through reference counts. A full block whose K/V have been computed is registered
+under its key: its tokens and the name (`content_id`) of what the block before it holds, so the key
+of a block stands for its whole prefix (vLLM's chained block hashes) while the lookup is a dict's,
+which compares keys on a hash collision: a hit never returns wrong K/V. A freed block keeps its
+contents and stays findable until it is taken for new data; free blocks are taken least recently
+freed first. Every operation is O(1) per block.
 
 Memory sharing (the paper's section 4.4): blocks shared by the sequences of one request
 (nanovllm/engine/sharing.py) are copied before one of them writes into them (copy-on-write), and the
@@ -16,37 +16,17 @@ nanovllm/engine/swap.py.)
 from collections import OrderedDict
 from itertools import count
 
-import numpy as np
-import xxhash
-
 from nanovllm.engine.sequence import Sequence, num_blocks_for
 
 
-def hash_block(token_ids: list[int], prev_hash: int | None) -> int:
-    """xxhash64 of a block's tokens, chained with the hash of the block before it."""
-    h = xxhash.xxh64()
-    if prev_hash is not None:
-        h.update(prev_hash.to_bytes(8, "little"))
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return h.intdigest()
-
-
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "content_id", "prev_content_id")
+    __slots__ = ("block_id", "ref_count", "key", "content_id")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.hash: int | None = None
-        self.token_ids: list[int] = []
-        self.content_id: int | None = None       # names what it holds: these tokens after a prefix
-        self.prev_content_id: int | None = None  # the content_id of the block before (None: first)
-
-    def holds(self, token_ids: list[int], prev_content_id: int | None) -> bool:
-        """Whether the block's K/V are those of token_ids following the prefix named
-        prev_content_id."""
-        return (self.content_id is not None and self.prev_content_id == prev_content_id
-                and self.token_ids == token_ids)
+        self.key: tuple | None = None  # (content_id of the block before or None, its token ids)
+        self.content_id: int | None = None  # names what it holds: these tokens after that prefix
 
 
 class BlockManager:
@@ -57,7 +37,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_blocks = OrderedDict.fromkeys(range(num_blocks))  # block ids, oldest first
-        self.cached_blocks: dict[int, int] = {}  # hash -> block id
+        self.cached_blocks: dict[tuple, int] = {}  # key -> block id
         self._content_ids = count()
 
     @property
@@ -73,10 +53,10 @@ class BlockManager:
         block_id, _ = self.free_blocks.popitem(last=False)
         block = self.blocks[block_id]
         assert block.ref_count == 0
-        if block.hash is not None and self.cached_blocks.get(block.hash) == block_id:
-            del self.cached_blocks[block.hash]
-        block.hash, block.token_ids, block.ref_count = None, [], 1
-        block.content_id = block.prev_content_id = None
+        if block.key is not None and self.cached_blocks.get(block.key) == block_id:
+            del self.cached_blocks[block.key]
+        block.key = block.content_id = None
+        block.ref_count = 1
         return block_id
 
     def _ref(self, block_id: int):
@@ -89,15 +69,13 @@ class BlockManager:
         """Ids of the cached blocks that hold the sequence's leading full blocks."""
         if not self.enable_prefix_caching:
             return []
-        hits, prev_hash, prev_content_id = [], None, None
+        hits, content_id = [], None
         for i in range(len(seq) // self.block_size):
-            tokens = seq.block_tokens(i)
-            prev_hash = hash_block(tokens, prev_hash)
-            block_id = self.cached_blocks.get(prev_hash)
-            if block_id is None or not self.blocks[block_id].holds(tokens, prev_content_id):
+            block_id = self.cached_blocks.get((content_id, tuple(seq.block_tokens(i))))
+            if block_id is None:
                 break
             hits.append(block_id)
-            prev_content_id = self.blocks[block_id].content_id
+            content_id = self.blocks[block_id].content_id
         return hits
 
     def allocate(self, seq: Sequence, num_slots: int = 0) -> bool:
@@ -159,16 +137,13 @@ class BlockManager:
         num_full = seq.num_computed_tokens // self.block_size
         for i in range(seq.num_hashed_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
-            if block.hash is not None:
+            if block.key is not None:
                 continue  # registered already, by a sequence sharing it (a prefix hit, or a fork)
-            prev = self.blocks[seq.block_table[i - 1]] if i else None
-            block.token_ids = seq.block_tokens(i)
-            block.hash = hash_block(block.token_ids, prev.hash if prev is not None else None)
-            block.prev_content_id = prev.content_id if prev is not None else None
-            owner = self.blocks[self.cached_blocks.setdefault(block.hash, block.block_id)]
+            prev = self.blocks[seq.block_table[i - 1]].content_id if i else None
+            block.key = (prev, tuple(seq.block_tokens(i)))
+            owner = self.blocks[self.cached_blocks.setdefault(block.key, block.block_id)]
             # a block equal to the registered one shares its name: blocks after either one can hit
-            same = owner is not block and owner.holds(block.token_ids, block.prev_content_id)
-            block.content_id = owner.content_id if same else next(self._content_ids)
+            block.content_id = owner.content_id if owner is not block else next(self._content_ids)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
 
     def free(self, seq: Sequence):
