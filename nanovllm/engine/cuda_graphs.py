@@ -5,8 +5,8 @@ Replaying a graph captured once launches them all at once. Each step is padded t
 step of decodes only to the next batch size of one ladder, any other step to the next token count of
 another, up to max_num_batched_tokens. Padding tokens write no K/V (slot -1); padding sequences have
 no tokens and no keys. Each graph reads its inputs from a flat tensor of its own, at fixed
-addresses: a step laid out by the graph's sizes is uploaded into it (ModelRunner.upload). The graphs
-are captured largest first and share one memory pool.
+addresses: a step laid out by the graph's sizes is uploaded into it in one copy (`upload`). The
+graphs are captured largest first and share one memory pool.
 
 How much of a step a graph holds is the backend's to say (AttentionBackend.cudagraph_support):
 - a whole graph where the attention kernels take their grids from the graph's sizes and read from
@@ -17,11 +17,58 @@ How much of a step a graph holds is the backend's to say (AttentionBackend.cudag
   varlen kernel and sdpa take them from the host).
 """
 import time
+from itertools import accumulate
 
 import torch
 
-from nanovllm.attention import QUERY_TILE
-from nanovllm.engine.step_inputs import field_sizes, unpack
+from nanovllm.attention import QUERY_TILE, AttentionMetadata, query_tiles
+from nanovllm.engine.step_inputs import StepInputs
+
+
+def step_sizes(step: StepInputs) -> tuple[int, int, int, int]:
+    """Tokens, sequences, query tiles and block table width of a step."""
+    cu = step.cu_seqlens_q[step.num_decodes:]
+    num_tiles = sum(-(-(b - a) // QUERY_TILE) for a, b in zip(cu, cu[1:]))
+    return len(step.input_ids), len(step.context_lens), num_tiles, max(map(len, step.block_tables))
+
+
+def field_sizes(num_tokens: int, num_seqs: int, num_tiles: int, width: int) -> list[int]:
+    """Sizes of the fields of a step's upload: token ids, positions, slots, cu_seqlens_q,
+    cu_seqlens_k, context_lens, query tiles, block tables; each rounded up to 16 bytes (Triton
+    compiles a kernel once per alignment of its pointers: keep it to one)."""
+    sizes = [num_tokens] * 3 + [num_seqs + 1] * 2 + [num_seqs, 2 * num_tiles, num_seqs * width]
+    return [size + -size % 4 for size in sizes]
+
+
+def upload(step: StepInputs, sizes: tuple, into: torch.Tensor) -> torch.Tensor:
+    """Copy the step's fields into a graph's flat int32 inputs, laid out and padded to the graph's
+    `sizes`: padding tokens write nowhere (slot -1), padding sequences have no tokens and no keys,
+    padding tiles no sequence. The sampled rows' token indices follow."""
+    width = sizes[3]
+    cu_k = list(accumulate(step.context_lens, initial=0))
+    fields = [step.input_ids, step.positions, step.slot_mapping, step.cu_seqlens_q, cu_k,
+              step.context_lens, query_tiles(step.cu_seqlens_q, step.num_decodes),
+              [b for table in step.block_tables for b in table + [0] * (width - len(table))]]
+    pads = [0, 0, -1, step.cu_seqlens_q[-1], cu_k[-1], 0, -1, 0]
+    flat = []
+    for values, size, pad in zip(fields, field_sizes(*sizes), pads):
+        flat += values + [pad] * (size - len(values))
+    pinned = torch.tensor(flat + step.sample_rows, dtype=torch.int32, pin_memory=True)
+    return into[:pinned.numel()].copy_(pinned, non_blocking=True)
+
+
+def unpack(flat: torch.Tensor, layout: tuple, lengths: tuple, num_decodes: int,
+           step: StepInputs | None = None):
+    """Token ids, positions and attention metadata of `lengths` (tokens, sequences, tiles, table
+    width): views of a flat upload laid out by `layout` (a graph's sizes)."""
+    sizes = field_sizes(*layout)
+    ids, positions, slots, cu_q, cu_k, lens, tiles, tables = flat[:sum(sizes)].split(sizes)
+    n, num_seqs, num_tiles, width = lengths
+    meta = AttentionMetadata(slots[:n], cu_q[:num_seqs + 1], cu_k[:num_seqs + 1], lens[:num_seqs],
+                             tables[:num_seqs * layout[3]].view(num_seqs, layout[3])[:, :width],
+                             tiles[:2 * num_tiles].view(-1, 2), num_decodes,
+                             step.cu_seqlens_q if step else [], step.context_lens if step else [])
+    return ids[:n], positions[:n], meta
 
 
 def token_ladder(largest: int) -> list[int]:
@@ -115,8 +162,7 @@ class CUDAGraphs:
                   + [("decode", s) for s in self.decode_sizes])
         for kind, size in sorted(shapes, key=lambda shape: -shape[1]):
             sizes = self.sizes(kind, size, max_seqs, runner.max_blocks)
-            # the step's fields at fixed addresses, then room for its sampled rows
-            # (ModelRunner.upload)
+            # the step's fields at fixed addresses, then room for its sampled rows (upload)
             inputs = torch.zeros(sum(field_sizes(*sizes)) + max_seqs, dtype=torch.int32,
                                  device=runner.device)
             args = unpack(inputs, sizes, sizes, num_decodes=sizes[1])
@@ -138,10 +184,21 @@ class CUDAGraphs:
         num_seqs = min(size, max_seqs)
         return size, num_seqs, size // QUERY_TILE + num_seqs, width
 
-    def find(self, step):
+    def find(self, step: StepInputs):
         """The graph a step runs in: the smallest of its kind that holds it."""
         if step.num_decodes == len(step.context_lens):
             size = next(s for s in self.decode_sizes if s >= step.num_decodes)
             return self.graphs["decode", size]
         size = next(s for s in self.token_sizes if s >= len(step.input_ids))
         return self.graphs["mixed", size]
+
+    def run(self, step: StepInputs, runner) -> torch.Tensor:
+        """Upload the step into the inputs of the graph that holds it and replay the graph: the
+        hidden states of the rows that sample."""
+        graph = self.find(step)
+        flat = upload(step, graph.sizes, graph.inputs)
+        input_ids, _, meta = unpack(flat, graph.sizes, step_sizes(step), step.num_decodes, step)
+        if min(step.input_ids) < 0:
+            runner.fill_placeholders(input_ids)
+        hidden = graph.replay(meta)
+        return hidden[flat[flat.numel() - len(step.sample_rows):]]

@@ -9,7 +9,6 @@ tensor_parallel_size > 1 the engine also starts one worker process per extra ran
 leaving a `with LLM(...)` block, or the engine being collected, or the program's exit) stops them.
 """
 import gc
-import time
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
@@ -87,18 +86,8 @@ class LLMEngine:
     def abort_request(self, request_id: int | str) -> bool:
         """End a request at once, wherever it is (waiting, running, swapped out), with finish_reason
         "abort", and free its blocks. False if no such request is queued."""
-        root = self.requests.pop(request_id, None)
-        if root is None:
-            return False
-        live = [seq for seq in root.group if not seq.is_finished]
-        for seq in live:
-            seq.finish_reason = "abort"
-            while seq.token_ids[-1] < 0:  # placeholders of steps in flight: never filled now
-                seq.token_ids.pop()
-        self.scheduler.finish(live)
-        self.held = [out for out in self.held if out.request_id != request_id]  # nothing more of it
-        root.metrics.finished_time = time.monotonic()
-        return True
+        from nanovllm.engine.requeue import abort
+        return abort(self, request_id)
 
     def step(self) -> list[RequestOutput]:
         """One iteration: a RequestOutput for each request that got new tokens (its text and tokens
@@ -135,18 +124,10 @@ class LLMEngine:
                 self.in_flight = None  # read now: needed now, or needed by nobody
                 outputs += self._read_step(*launched)
         except BaseException:  # interrupted while waiting: those tokens are lost (requeue.py)
-            self._lose([batch for batch, _ in pending], outputs)
+            from nanovllm.engine.requeue import lose
+            lose(self, [batch for batch, _ in pending], outputs)
             raise
         return outputs
-
-    def _lose(self, batches: list[ScheduledBatch], outputs: list[RequestOutput]):
-        """Steps whose tokens will not be read (the one the host waited for, and the one launched
-        after it, which took those tokens on the device): their sequences start over; the outputs
-        so far wait for the next step()."""
-        from nanovllm.engine.requeue import requeue
-        requeue(self.scheduler, batches)
-        self.in_flight = None
-        self.held = outputs
 
     def _read_step(self, batch: ScheduledBatch, sampled: SampledTokens) -> list[RequestOutput]:
         """Wait for a launched step's tokens, record them, and return the requests' outputs."""

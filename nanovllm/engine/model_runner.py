@@ -1,22 +1,20 @@
 """The model runner: one forward step on this rank's device (nano-vllm's ModelRunner).
 
 It owns the model, its attention backend, the KV cache (engine/kv_cache.py) and, on CUDA, the CUDA
-graphs (engine/cuda_graphs.py). A step crosses from the CPU side to the GPU side in three moves:
-`step_inputs` turns the scheduler's batch into plain lists (engine/step_inputs.py), `upload` copies
-them to the device as one flat tensor, and `execute` runs the model and returns the logits of the
-rows that sample. `run` (rank 0) also samples, and returns
-before the GPU is done (engine/run_ahead.py).
+graphs (engine/cuda_graphs.py). A step crosses from the CPU side to the GPU side in two moves:
+`step_inputs` turns the scheduler's batch into plain lists and `to_tensors` into tensors on the
+device (engine/step_inputs.py); `execute` runs the model (or replays a graph) and returns the logits
+of the rows that sample. `run` (rank 0) also samples, and returns before the GPU is done
+(engine/run_ahead.py).
 """
-from itertools import accumulate
-
 import torch
 
-from nanovllm.attention import get_backend, query_tiles
+from nanovllm.attention import get_backend
 from nanovllm.engine.kv_cache import CPU_KVCACHE_BYTES, KVCache
 from nanovllm.engine.run_ahead import SampledTokens, fill_placeholders
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence, num_blocks_for
-from nanovllm.engine.step_inputs import StepInputs, field_sizes, step_inputs, unpack
+from nanovllm.engine.step_inputs import StepInputs, step_inputs, to_tensors
 from nanovllm.layers.sampler import SamplingTensors, sample
 from nanovllm.models import model_class
 from nanovllm.utils.loader import load_model
@@ -74,26 +72,6 @@ class ModelRunner:
         from nanovllm.engine.memory_profile import num_blocks_that_fit
         return num_blocks_that_fit(self)
 
-    def upload(self, step: StepInputs, sizes: tuple, into: torch.Tensor | None = None):
-        """The step's int32 fields in one flat tensor on the device (one copy; into `into`, a CUDA
-        graph's inputs, if given), laid out by `sizes` (tokens, sequences, query tiles, table
-        width), which may pad it (to a graph's sizes): padding tokens write nowhere (slot -1),
-        padding sequences have no tokens and no keys, padding tiles no sequence. The sampled rows'
-        token indices follow."""
-        width = sizes[3]
-        cu_k = list(accumulate(step.context_lens, initial=0))
-        fields = [step.input_ids, step.positions, step.slot_mapping, step.cu_seqlens_q, cu_k,
-                  step.context_lens, query_tiles(step.cu_seqlens_q, step.num_decodes),
-                  [b for table in step.block_tables for b in table + [0] * (width - len(table))]]
-        pads = [0, 0, -1, step.cu_seqlens_q[-1], cu_k[-1], 0, -1, 0]
-        flat = []
-        for values, size, pad in zip(fields, field_sizes(*sizes), pads):
-            flat += values + [pad] * (size - len(values))
-        pinned = torch.tensor(flat + step.sample_rows, dtype=torch.int32, pin_memory=self.pin)
-        if into is None:
-            return pinned.to(self.device, non_blocking=True)
-        return into[:pinned.numel()].copy_(pinned, non_blocking=True)
-
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> torch.Tensor | None:
         """One forward pass, on every rank: the logits [rows, vocab] of the rows that sample (None
@@ -103,14 +81,12 @@ class ModelRunner:
         self.kv_cache.copy_blocks(step.copies)
         if not step.input_ids:  # it preempted all it had to run: its swaps are the whole step
             return None
-        graph = self.graphs.find(step) if self.graphs is not None else None
-        layout = graph.sizes if graph is not None else step.sizes
-        flat = self.upload(step, layout, graph.inputs if graph is not None else None)
-        input_ids, positions, meta = unpack(flat, layout, step.sizes, step.num_decodes, step)
+        if self.graphs is not None:  # uploaded in one copy, replayed (engine/cuda_graphs.py)
+            return self.model.compute_logits(self.graphs.run(step, self))
+        input_ids, positions, meta, sample_rows = to_tensors(step, self.device)
         if min(step.input_ids) < 0:
             self.fill_placeholders(input_ids)
-        hidden = graph.replay(meta) if graph is not None else self.model(input_ids, positions, meta)
-        return self.model.compute_logits(hidden[flat[flat.numel() - len(step.sample_rows):]])
+        return self.model.compute_logits(self.model(input_ids, positions, meta)[sample_rows])
 
     def step_inputs(self, batch: ScheduledBatch) -> StepInputs:
         return step_inputs(batch, self.block_size)

@@ -1,10 +1,13 @@
-"""A step that failed to launch (an exception, or Ctrl-C, inside the model runner), or whose tokens
-the host was interrupted waiting for, leaves what scheduling it recorded: placeholders for tokens
-nobody will read, progress that does not count, block copies and swaps to forget. Its sequences, and
-the groups it swapped in or out, are preempted by recomputation (the vLLM paper, section 4.5): they
-wait again with their real tokens and no KV, so requests that other callers queued go on with the
-tokens they would have had.
+"""Requests that end early, and steps whose tokens are lost.
+
+A caller may abort a request wherever it is (`abort`). A step that failed to launch (an exception,
+or Ctrl-C, inside the model runner), or whose tokens the host was interrupted waiting for, leaves
+what scheduling it recorded: placeholders for tokens nobody will read, progress that does not count,
+block copies and swaps to forget. Its sequences, and the groups it swapped in or out, are preempted
+by recomputation (the vLLM paper, section 4.5): they wait again with their real tokens and no KV, so
+requests that other callers queued go on with the tokens they would have had.
 """
+import time
 from collections import deque
 
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
@@ -37,3 +40,30 @@ def requeue(scheduler: Scheduler, batches: list[ScheduledBatch]):
             seq.status = SequenceStatus.WAITING
             scheduler.waiting.appendleft(seq)
     scheduler.running = deque(s for s in scheduler.running if s.status == SequenceStatus.RUNNING)
+
+
+def abort(engine, request_id) -> bool:
+    """End a request at once with finish_reason "abort" and free its blocks (LLMEngine's
+    abort_request)."""
+    root = engine.requests.pop(request_id, None)
+    if root is None:
+        return False
+    live = [seq for seq in root.group if not seq.is_finished]
+    for seq in live:
+        seq.finish_reason = "abort"
+        while seq.token_ids[-1] < 0:  # placeholders of steps in flight: never filled now
+            seq.token_ids.pop()
+    engine.scheduler.finish(live)
+    # nothing more of it
+    engine.held = [out for out in engine.held if out.request_id != request_id]
+    root.metrics.finished_time = time.monotonic()
+    return True
+
+
+def lose(engine, batches: list[ScheduledBatch], outputs: list):
+    """Steps whose tokens will not be read (the one the host waited for, and the one launched
+    after it, which took those tokens on the device): their sequences start over; the outputs so
+    far wait for the next step()."""
+    requeue(engine.scheduler, batches)
+    engine.in_flight = None
+    engine.held = outputs

@@ -1,13 +1,13 @@
-"""A step crossing from the CPU side to the GPU side: the scheduler's batch as plain lists
-(`StepInputs`, all that a tensor-parallel worker receives, built by `step_inputs`), and their layout
-as one flat int32 tensor (`field_sizes`, `unpack`): the model runner uploads a step in one copy, and
-a CUDA graph reads its inputs at fixed addresses in the same layout, padded to its sizes.
+"""A step crossing from the CPU side to the GPU side (vLLM v1's SchedulerOutput): the scheduler's
+batch as plain lists (`StepInputs`, all that a tensor-parallel worker receives, built by
+`step_inputs`), then as tensors on the device (`to_tensors`).
 """
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
-from nanovllm.attention import QUERY_TILE, AttentionMetadata
+from nanovllm.attention import AttentionMetadata, query_tiles
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import slot_mapping
 
@@ -26,14 +26,6 @@ class StepInputs:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def sizes(self) -> tuple[int, int, int, int]:
-        """Tokens, sequences, query tiles and block table width of this step."""
-        cu = self.cu_seqlens_q[self.num_decodes:]
-        num_tiles = sum(-(-(b - a) // QUERY_TILE) for a, b in zip(cu, cu[1:]))
-        width = max(map(len, self.block_tables))
-        return len(self.input_ids), len(self.context_lens), num_tiles, width
 
 
 def step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
@@ -54,24 +46,16 @@ def step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
     return step
 
 
-def field_sizes(num_tokens: int, num_seqs: int, num_tiles: int, width: int) -> list[int]:
-    """Sizes of the fields of a step's upload: token ids, positions, slots, cu_seqlens_q,
-    cu_seqlens_k, context_lens, query tiles, block tables; each rounded up to 16 bytes (Triton
-    compiles a kernel once per alignment of its pointers: keep it to one)."""
-    sizes = [num_tokens] * 3 + [num_seqs + 1] * 2 + [num_seqs, 2 * num_tiles, num_seqs * width]
-    return [size + -size % 4 for size in sizes]
-
-
-def unpack(flat: torch.Tensor, layout: tuple, lengths: tuple, num_decodes: int,
-           step: StepInputs | None = None):
-    """Token ids, positions and attention metadata of `lengths` (tokens, sequences, tiles, table
-    width): views of a flat upload laid out by `layout` (the same sizes, or a CUDA graph's,
-    padded)."""
-    sizes = field_sizes(*layout)
-    ids, positions, slots, cu_q, cu_k, lens, tiles, tables = flat[:sum(sizes)].split(sizes)
-    n, num_seqs, num_tiles, width = lengths
-    meta = AttentionMetadata(slots[:n], cu_q[:num_seqs + 1], cu_k[:num_seqs + 1], lens[:num_seqs],
-                             tables[:num_seqs * layout[3]].view(num_seqs, layout[3])[:, :width],
-                             tiles[:2 * num_tiles].view(-1, 2), num_decodes,
-                             step.cu_seqlens_q if step else [], step.context_lens if step else [])
-    return ids[:n], positions[:n], meta
+def to_tensors(step: StepInputs, device: torch.device):
+    """Token ids, positions, attention metadata and sampled rows as tensors on `device`, a copy per
+    field (a CUDA graph takes them in one flat copy instead: engine/cuda_graphs.py)."""
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+    width = max(map(len, step.block_tables))
+    tables = tensor([table + [0] * (width - len(table)) for table in step.block_tables])
+    cu_k = list(accumulate(step.context_lens, initial=0))
+    tiles = tensor(query_tiles(step.cu_seqlens_q, step.num_decodes)).view(-1, 2)
+    meta = AttentionMetadata(tensor(step.slot_mapping), tensor(step.cu_seqlens_q), tensor(cu_k),
+                             tensor(step.context_lens), tables, tiles, step.num_decodes,
+                             step.cu_seqlens_q, step.context_lens)
+    return tensor(step.input_ids), tensor(step.positions), meta, tensor(step.sample_rows)
