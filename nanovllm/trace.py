@@ -113,7 +113,7 @@ class Trace:
             json.dump(self.data, f, separators=(",", ":"))
 
     def on_step(self, batch):
-        """Record a scheduled step (the engine calls this before the model runs it)."""
+        """Record a step (the engine calls this once the step is launched)."""
         now = time.perf_counter()
         entry = {"step": len(self.data["steps"]), "t": round(now - self.t0, 6),
                  "dt": round(now - self.last_t, 6)}

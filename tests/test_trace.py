@@ -227,3 +227,28 @@ def test_the_demo_writes_a_trace_and_its_page(tmp_path, monkeypatch, capsys):
     for fetch in ("http", "src=", "<link", "import(", "fetch("):  # no network: nothing to fetch
         assert fetch not in page
     assert f"{len(data['steps'])} steps traced" in capsys.readouterr().out
+
+
+def test_a_step_that_fails_to_launch_is_not_recorded(tiny_path, tmp_path):
+    """The step is undone (requeue.py) and scheduled again: the trace holds the launched steps."""
+    llm = LLM(tiny_path, **DEMO_OPTIONS)
+    run, launches = llm.model_runner.run, []
+
+    def fails_once(batch):
+        launches.append(batch)
+        if len(launches) == 2:
+            raise RuntimeError("launch failed")
+        return run(batch)
+    llm.model_runner.run = fails_once
+    path = tmp_path / "run.json"
+    with Trace(llm, path):
+        llm.add_request([1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=4))
+        with pytest.raises(RuntimeError, match="launch failed"):
+            while not llm.is_finished():
+                llm.step()
+        while not llm.is_finished():
+            llm.step()
+    with open(path) as f:
+        data = json.load(f)
+    assert len(data["steps"]) == len(launches) - 1 >= 4
+    assert not replay(data, len(data["steps"]))["tables"]

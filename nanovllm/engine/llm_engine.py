@@ -103,14 +103,14 @@ class LLMEngine:
         if self.scheduler.has_unfinished():
             batch = self.scheduler.schedule()
             if batch.seqs or batch.swap_in or batch.swap_out:  # a step may only move blocks
-                if self.tracer is not None:
-                    self.tracer.on_step(batch)
                 try:
                     launched = batch, self.model_runner.run(batch)
                 except BaseException:  # never launched: its sequences start over (requeue.py)
                     from nanovllm.engine.requeue import requeue
                     requeue(self.scheduler, [batch])
                     raise
+                if self.tracer is not None:  # a launched step (one that failed is not recorded)
+                    self.tracer.on_step(batch)
                 self.output_processor.started(batch)
         previous, self.in_flight = self.in_flight, launched
         outputs, self.held = self.held, []
