@@ -134,16 +134,15 @@ def _merge_splits_kernel(
              out.to(out_ptr.dtype.element_ty))
 
 
-def decode_config(head_dim: int, cache_dtype: torch.dtype | None = None) -> dict:
+def decode_config(head_dim: int) -> dict:
     """Tile sizes, measured on an H100 for head_dim 64 and 128: 64 keys a tile, 4 warps, 2-stage
-    pipeline; over an FP8 cache 128 keys (measured on an H200: benchmarks/fp8_kernel_variants.py).
+    pipeline.
 
     Decode is bound by reading K/V; a small footprint per program (two 64-key tiles in flight) lets
     several programs share an SM, which hides latency better than deeper pipelines or bigger tiles
-    did. An FP8 tile holds half the bytes: 128 keys keep as many bytes in flight.
+    did.
     """
-    return dict(BLOCK_N=128 if cache_dtype == torch.float8_e4m3fn else 64, num_warps=4,
-                num_stages=2)
+    return dict(BLOCK_N=64, num_warps=4, num_stages=2)
 
 
 def num_decode_splits(batch_size: int, num_kv_heads: int, head_dim: int, max_model_len: int,
@@ -197,7 +196,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty_like(q) if out is None else out
     if num_seqs == 0:
         return out
-    cfg = decode_config(head_dim, k_cache.dtype)
+    cfg = decode_config(head_dim)
     group = num_heads // num_kv_heads
     # [B, S, Hq, D] and [B, S, Hq], needed with splits only
     partial = lse = out.new_empty(0, 1, 1, 1)
