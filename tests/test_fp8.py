@@ -11,12 +11,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import triton.language as tl
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention.fp8 import FP8, dequantize, quantize, store_quantized
 from nanovllm.attention.paged_attention import store_kv
 from nanovllm.engine.kv_cache import KVCache
 from nanovllm.kernels import decode_attention, prefill_attention, rope_store
+from nanovllm.kernels.paged import widen_config
 from nanovllm.layers.rotary import RotaryEmbedding, norm_rope
 from tests.helpers import FRANCE, FRANCE_ANSWER, GREEDY, chat, make_llm, random_prompts
 from tests.teacher_forcing import engine_logits, rel_error
@@ -59,16 +61,22 @@ def fp8_paged_cache(k_lens, num_kv_heads, head_dim, block_size):
     return k8, v8, k_ref, v_ref, tables
 
 
+# a 16-bit model's dots over an FP8 cache run in float16 (kernels/paged.py widen_config): its output
+# is rounded to bfloat16 (2^-9), the softmax weights to float16
+BF16_TOL = 1e-2
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 64), (3, 1, 128)])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_reads_an_fp8_cache(num_heads, num_kv_heads, head_dim, num_splits):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_reads_an_fp8_cache(num_heads, num_kv_heads, head_dim, num_splits, dtype):
     block_size = 16
     context_lens = [1, 15, 16, 17, 33, 0, 100]
     random.shuffle(context_lens)
     lens = [max(n, 1) for n in context_lens] + [40]
     k8, v8, k_ref, v_ref, tables = fp8_paged_cache(lens, num_kv_heads, head_dim, block_size)
     q_lens = [1 if n else 0 for n in context_lens] + [3]  # padding rows and a chunk: not written
-    q = torch.randn(sum(q_lens), num_heads, head_dim, device=DEVICE)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, device=DEVICE).to(dtype)
     cu, scale = cu_seqlens(q_lens, DEVICE), head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
     lens = torch.tensor(context_lens + [40], dtype=torch.int32, device=DEVICE)
@@ -78,19 +86,21 @@ def test_decode_reads_an_fp8_cache(num_heads, num_kv_heads, head_dim, num_splits
         if n:
             row = int(cu[i])
             ref = ref_attention(q[row:row + 1], k_ref, v_ref, tables[i], n, scale)
-            assert rel_err(out[row:row + 1], ref) < FP32_TOL, f"row {i} (context {n})"
+            tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+            assert rel_err(out[row:row + 1], ref) < tol, f"row {i} (context {n})"
     assert out[-3:].isnan().all()
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 64), (3, 1, 128)])
-def test_prefill_reads_an_fp8_cache(num_heads, num_kv_heads, head_dim):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_reads_an_fp8_cache(num_heads, num_kv_heads, head_dim, dtype):
     block_size = 16
     lens = ragged_lengths(block_size) + [(130, 200)]  # prefix hits, chunks, several query tiles
     random.shuffle(lens)
     k8, v8, k_ref, v_ref, tables = fp8_paged_cache([k for _, k in lens], num_kv_heads, head_dim,
                                                    block_size)
     q_lens = [q for q, _ in lens]
-    q = torch.randn(sum(q_lens), num_heads, head_dim, device=DEVICE)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, device=DEVICE).to(dtype)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
     k_lens = torch.tensor([k for _, k in lens], dtype=torch.int32, device=DEVICE)
@@ -99,8 +109,17 @@ def test_prefill_reads_an_fp8_cache(num_heads, num_kv_heads, head_dim):
     start = 0
     for i, (q_len, k_len) in enumerate(lens):
         ref = ref_attention(q[start:start + q_len], k_ref, v_ref, tables[i], k_len, scale)
-        assert rel_err(out[start:start + q_len], ref) < FP32_TOL, f"sequence {i} ({q_len}, {k_len})"
+        tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+        assert rel_err(out[start:start + q_len], ref) < tol, f"sequence {i} ({q_len}, {k_len})"
         start += q_len
+
+
+def test_widen_config_dots_in_float16_only_for_a_16_bit_model_over_fp8():
+    assert widen_config(torch.bfloat16, FP8)["DOT_DTYPE"] == tl.float16
+    assert widen_config(torch.float16, FP8)["DOT_DTYPE"] == tl.float16
+    assert widen_config(torch.float32, FP8) == dict(DOT_DTYPE=tl.float32, FP8_ASM=False)
+    assert widen_config(torch.bfloat16, torch.bfloat16) == dict(DOT_DTYPE=tl.bfloat16,
+                                                                FP8_ASM=False)
 
 
 def test_fp8_attention_error_against_the_unquantized_cache():

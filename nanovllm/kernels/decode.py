@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.paged import kv_row_offsets
+from nanovllm.kernels.paged import kv_row_offsets, widen_config, widen_v
 
 # more splits than this only adds merge work: 64 chunks of a long context already fill the GPU
 MAX_SPLITS = 64
@@ -47,7 +47,8 @@ def _decode_split_kernel(
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
     stride_ot, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    FP8_ASM: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -66,7 +67,7 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-                mask=row_mask[:, None], other=0.0)  # [GROUP_PAD, D]
+                mask=row_mask[:, None], other=0.0).to(DOT_DTYPE)  # [GROUP_PAD, D]
     k_ptr = k_cache_ptr + kv_head * stride_kh
     v_ptr = v_cache_ptr + kv_head * stride_kh
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -78,10 +79,12 @@ def _decode_split_kernel(
         keys = start_n + tl.arange(0, BLOCK_N)
         key_mask = keys < end
         kv_rows = kv_row_offsets(block_table_row, keys, key_mask, stride_kb, stride_ks, BLOCK_SIZE)
-        # an FP8 cache is widened to q's dtype here, in registers; its K scale is in qk_scale
+        # an FP8 cache is widened to DOT_DTYPE here, in registers (paged.py); its K scale is in
+        # qk_scale
         kv_offsets = kv_rows[:, None] + dims[None, :]  # [BLOCK_N, D]
         k = tl.load(k_ptr + kv_offsets, mask=key_mask[:, None], other=0.0).to(q.dtype)
-        v = tl.load(v_ptr + kv_offsets, mask=key_mask[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_ptr + kv_offsets, mask=key_mask[:, None], other=0.0)
+        v = widen_v(v, q.dtype, FP8_ASM)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
         s = tl.where(key_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has at least one key < end
@@ -212,7 +215,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         block_tables.stride(0), out.stride(0), out.stride(1),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=num_splits, **cfg,
+        BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=num_splits,
+        **widen_config(q.dtype, k_cache.dtype), **cfg,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](

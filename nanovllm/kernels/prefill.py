@@ -18,18 +18,19 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.paged import kv_row_offsets
+from nanovllm.kernels.paged import kv_row_offsets, widen_config, widen_v
 
 
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n, k_len, q_pos, qk_scale,
                  stride_kb, stride_ks, dims,
-                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+                 FP8_ASM: tl.constexpr):
     """Fold keys start_n..start_n+BLOCK_N into the running (acc, m_i, l_i) of BLOCK_M queries."""
     keys = start_n + tl.arange(0, BLOCK_N)
     key_mask = keys < k_len
     rows = kv_row_offsets(block_table_row, keys, key_mask, stride_kb, stride_ks, BLOCK_SIZE)
-    # an FP8 cache is widened to q's dtype here, in registers; its K scale is in qk_scale
+    # an FP8 cache is widened to DOT_DTYPE here, in registers (paged.py); K's scale: qk_scale
     # [BLOCK_N, D]
     k = tl.load(k_ptr + rows[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
     k = k.to(q.dtype)
@@ -41,7 +42,7 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n, k_len
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_ptr + rows[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
-    v = v.to(q.dtype)
+    v = widen_v(v, q.dtype, FP8_ASM)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
 
@@ -53,7 +54,8 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    FP8_ASM: tl.constexpr,
 ):
     head = tl.program_id(0)
     tile = tl.program_id(1)
@@ -71,7 +73,7 @@ def _prefill_kernel(
     dims = tl.arange(0, HEAD_DIM)
     tokens = (q_start + rows).to(tl.int64)
     q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + dims[None, :],
-                mask=row_mask[:, None], other=0.0)  # [BLOCK_M, D]
+                mask=row_mask[:, None], other=0.0).to(DOT_DTYPE)  # [BLOCK_M, D]
 
     kv_head = head // GROUP  # grouped-query attention: GROUP query heads share one KV head
     k_ptr = k_cache_ptr + kv_head * stride_kh
@@ -88,11 +90,11 @@ def _prefill_kernel(
     for start_n in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n,
                                      k_len, q_pos, qk_scale, stride_kb, stride_ks, dims, BLOCK_SIZE,
-                                     BLOCK_N, False)
+                                     BLOCK_N, False, FP8_ASM)
     for start_n in range(full_end, causal_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n,
                                      k_len, q_pos, qk_scale, stride_kb, stride_ks, dims, BLOCK_SIZE,
-                                     BLOCK_N, True)
+                                     BLOCK_N, True, FP8_ASM)
 
     # Every real row saw at least key 0, so l_i > 0 there; rows past q_len are not stored.
     out = acc * (v_scale / l_i)[:, None]  # v_scale: an FP8 cache's V scale (1 otherwise)
@@ -100,11 +102,13 @@ def _prefill_kernel(
              out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-def prefill_config(head_dim: int) -> dict:
-    """Key tiles, measured on an H100: 32 keys (head_dim 128) or 64, 4 warps, 2 stages. The query
-    tile (BLOCK_M) is the caller's: 64 queries a program, small enough that the causal triangle's
-    uneven work spreads over the SMs."""
-    return dict(BLOCK_N=32 if head_dim > 64 else 64, num_warps=4, num_stages=2)
+def prefill_config(head_dim: int, cache_dtype: torch.dtype | None = None) -> dict:
+    """Key tiles, measured on an H100: 32 keys (head_dim 128) or 64, 4 warps, 2 stages; over an FP8
+    cache 64 keys (an H200: benchmarks/fp8_kernel_variants.py). The query tile (BLOCK_M) is the
+    caller's: 64 queries a program, small enough that the causal triangle's uneven work spreads
+    over the SMs."""
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    return dict(BLOCK_N=32 if head_dim > 64 and not fp8 else 64, num_warps=4, num_stages=2)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -135,6 +139,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=tile_size, **prefill_config(head_dim),
+        BLOCK_M=tile_size, **widen_config(q.dtype, k_cache.dtype),
+        **prefill_config(head_dim, k_cache.dtype),
     )
     return out
