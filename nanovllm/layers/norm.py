@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Normalize x; with a residual, first add it and return (normalized, new residual)."""
+        """(normalized, new residual): x normalized and x; with a residual, x + residual's."""
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps), x
         return add_rms_norm(x, residual, self.weight, self.eps)

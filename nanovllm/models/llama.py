@@ -54,10 +54,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
     def forward(self, positions, x, residual, meta):
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        if x.is_cuda and x.shape[0] <= 8:  # a decode of few rows: fused GEMVs, fewer kernels
+            from nanovllm.layers.fused_decode import decode_layer
+            return decode_layer(self, positions, x, residual, meta)
+        x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual

@@ -1,0 +1,45 @@
+"""A decoder layer for steps of a few rows (batch-1 decoding) in 7 kernels instead of 10.
+
+The layer of nanovllm/models/llama.py, step for step, with each norm and the SwiGLU gate moved into
+the prologue of the projection after it (nanovllm/kernels/gemv.py): RMSNorm + residual add + qkv,
+rotary + KV store, attention, o_proj, RMSNorm + residual add + gate_up, silu(gate) * up + down.
+The layer takes this path on CUDA when its input has at most MAX_ROWS rows (DecoderLayer.forward);
+the result is the plain layer's within the rounding of a different summation order.
+"""
+import functools
+
+import torch
+import torch.distributed as dist
+
+from nanovllm.kernels.gemv import MAX_ROWS, NORM, SILU, gemv
+
+__all__ = ["MAX_ROWS", "decode_layer"]
+
+
+@functools.cache
+def use_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch where the GPU has it (Hopper and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def project(linear, x, **prologue):
+    """linear(a) for a made from x by the gemv prologue; a row-parallel shard all-reduces."""
+    y, residual = gemv(x, linear.weight, linear.bias, pdl=use_pdl(x.device), **prologue)
+    if hasattr(linear, "group"):  # RowParallel (layers/tensor_parallel.py): partial sums
+        dist.all_reduce(y, group=linear.group)
+    return y, residual
+
+
+def decode_layer(layer, positions: torch.Tensor, x: torch.Tensor, residual, meta):
+    """DecoderLayer.forward (x [M <= MAX_ROWS, hidden]) with fused GEMVs: (output, new residual)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norm = layer.input_layernorm
+    qkv, residual = project(attn.qkv_proj, x, prologue=NORM, residual=residual,
+                            norm_weight=norm.weight, eps=norm.eps)
+    qkv = qkv.view(-1, attn.num_heads + 2 * attn.num_kv_heads, attn.head_dim)
+    q = attn.attn.write(qkv, positions, meta.slot_mapping, attn.q_norm, attn.k_norm)
+    x, _ = project(attn.o_proj, attn.attn.read(q, meta).flatten(1))
+    norm = layer.post_attention_layernorm
+    gate_up, residual = project(mlp.gate_up_proj, x, prologue=NORM, residual=residual,
+                                norm_weight=norm.weight, eps=norm.eps)
+    return project(mlp.down_proj, gate_up, prologue=SILU)[0], residual
