@@ -109,6 +109,8 @@ class ModelRunner:
         input_ids, positions, meta = unpack(flat, layout, step.sizes, step.num_decodes, step)
         if min(step.input_ids) < 0:
             self.fill_placeholders(input_ids)
+        if self.backend.cascade is not None:  # shared prefixes read once: attention/cascade.py
+            graph = self.backend.cascade.prepare(self, step, meta, graph)
         hidden = graph.replay(meta) if graph is not None else self.model(input_ids, positions, meta)
         return self.model.compute_logits(hidden[flat[flat.numel() - len(step.sample_rows):]])
 
