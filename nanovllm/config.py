@@ -45,6 +45,7 @@ class Config:
     swap_space: float = 4.0              # GiB of CPU memory for swapped-out blocks
     kv_reservation: str | None = None    # Orca's reservations, not paging: engine/reservation.py
     kv_cache_dtype: str = "auto"         # "auto": the model's dtype; "fp8": e4m3 (attention/fp8.py)
+    disable_cascade_attn: bool = False   # True: shared prefixes read per row (attention/cascade.py)
     skip_tokenizer_init: bool = False
     tokenizer: str = ""                  # "": the model directory's; else a directory holding one
     seed: int = 0

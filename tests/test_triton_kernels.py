@@ -243,7 +243,8 @@ def test_triton_backend_mixed_steps():
     prefix, a one-token prompt), then decode steps; each padded as a CUDA graph pads it (padding tokens
     with slot -1, padding sequences with no tokens, unused tiles)."""
     block_size, num_heads, num_kv_heads, head_dim = 16, 6, 2, 64
-    config = SimpleNamespace(max_num_seqs=8, max_model_len=256, kvcache_block_size=block_size, device=DEVICE)
+    config = SimpleNamespace(max_num_seqs=8, max_model_len=256, kvcache_block_size=block_size, device=DEVICE,
+                             disable_cascade_attn=True)
     backend = TritonBackend(num_heads, num_kv_heads, head_dim, config)
     shape = (32, block_size, num_kv_heads, head_dim)
     k_cache, v_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))

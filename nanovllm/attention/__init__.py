@@ -27,6 +27,7 @@ class AttentionMetadata:
     num_decodes: int            # leading sequences with one new token (a graph: the rows it runs)
     cu_seqlens_q_host: list[int]  # the same numbers on the host, for backends that loop
     context_lens_host: list[int]
+    cascade: object = None  # a plan reading shared prefixes once (attention/cascade.py)
 
 
 
@@ -48,6 +49,7 @@ class AttentionBackend:
     # step), "decode" (steps of decodes only) or "never"; steps it cannot capture run piecewise.
     cudagraph_support = "never"
     reads_fp8_kv_cache = False  # whether it reads kv_cache_dtype="fp8" (attention/fp8.py)
+    cascade = None  # its cascade attention, if it has one (attention/cascade.py)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, config):
         # config: nanovllm.config.Config (max_num_seqs, max_model_len, kvcache_block_size, device)

@@ -3,8 +3,9 @@
 The decode kernel (split-KV, "flash decoding") runs the sequences with one new token, the prefill
 kernel the query tiles of the prefill chunks, both into one output. Each kernel reads from the data
 which rows and tiles to run, so a CUDA graph launches them with a fixed grid and one graph serves
-any mix of decodes and chunks of its size. The decode scratch is preallocated and reused layer after
-layer, and nothing here reads a device value on the host.
+any mix of decodes and chunks of its size. Decodes that share a prefix may read it once instead
+(cascade attention, attention/cascade.py), when the step's plan says so. The decode scratch is
+preallocated and reused layer after layer, and nothing here reads a device value on the host.
 """
 import os
 
@@ -35,11 +36,21 @@ class TritonBackend(AttentionBackend):
         self.max_model_len = config.max_model_len
         self.scratch = decode_scratch(config.max_num_seqs, num_heads, num_kv_heads, head_dim,
                                       config.max_model_len, self.num_sms, device)
+        if not config.disable_cascade_attn:  # shared prefixes read once per step
+            from nanovllm.attention.cascade import Cascade
+            self.cascade = Cascade(self, config)
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
         d = meta.num_decodes
-        if d:
+        if d and meta.cascade is not None:
+            from nanovllm.kernels.cascade import cascade_attention
+            c = meta.cascade
+            cascade_attention(q, k_cache, v_cache, meta.cu_seqlens_q[:d + 1], meta.context_lens[:d],
+                              meta.block_tables[:d], c.key_starts[:d], c.tiles, self.scale,
+                              c.num_splits, c.prefix_splits, self.cascade.scratch, out,
+                              self.k_scale, self.v_scale)
+        elif d:
             splits = num_decode_splits(d, self.num_kv_heads, self.head_dim, self.max_model_len,
                                        self.num_sms)
             decode_attention(q, k_cache, v_cache, meta.cu_seqlens_q[:d + 1], meta.context_lens[:d],

@@ -200,5 +200,7 @@ class CUDAGraphs:
         input_ids, _, meta = unpack(flat, graph.sizes, step_sizes(step), step.num_decodes, step)
         if min(step.input_ids) < 0:
             runner.fill_placeholders(input_ids)
+        if runner.backend.cascade is not None:  # perhaps its twin that reads shared prefixes once
+            graph = runner.backend.cascade.prepare(runner, step, meta, graph)
         hidden = graph.replay(meta)
         return hidden[flat[flat.numel() - len(step.sample_rows):]]

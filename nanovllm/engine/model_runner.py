@@ -86,6 +86,8 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows = to_tensors(step, self.device)
         if min(step.input_ids) < 0:
             self.fill_placeholders(input_ids)
+        if self.backend.cascade is not None:  # shared prefixes read once: attention/cascade.py
+            self.backend.cascade.prepare(self, step, meta, None)
         return self.model.compute_logits(self.model(input_ids, positions, meta)[sample_rows])
 
     def step_inputs(self, batch: ScheduledBatch) -> StepInputs:

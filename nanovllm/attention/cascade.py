@@ -1,0 +1,151 @@
+"""Cascade attention's host side (FlashInfer's and vLLM's cascade attention, Hydragen): which decode
+rows of a step share which prefix, whether reading it once pays, and the CUDA graphs that do it.
+
+Sharing is visible in the block tables: decode rows whose tables start with the same block ids hold
+the same keys there (a prefix-cache hit on a common system prompt, the samples of one request,
+beams). Rows are grouped by their first block; a group's shared prefix is the longest run of block
+ids common to all its members, in whole blocks, and ends before every member's newest key (each
+keeps its own keys, at least the one it writes this step). A group is cut into tiles of at most
+`members_per_tile` rows, each read by one program per KV head and split (kernels/cascade.py).
+
+The rule: cascade runs when the keys it saves, (members - 1) x shared_len summed over tiles, are at
+least MIN_SAVED_FRACTION of all the keys the step's decodes read; otherwise plain decode does.
+
+CUDA graphs: a decode step that uses cascade replays a twin of its decode graph, captured the first
+time it is needed, that reads the same inputs plus the plan at fixed addresses (up to one tile per
+two rows; unused tiles have shared_len 0). The triton backend alone does this; the others ignore
+`disable_cascade_attn`.
+"""
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from nanovllm.kernels.cascade import cascade_scratch, members_per_tile
+from nanovllm.kernels.decode import decode_config, num_decode_splits
+
+MIN_SAVED_FRACTION = 0.25  # of the decode keys; measured, see the README's cascade section
+MAX_PREFIX_SPLITS = 16
+
+
+@dataclass
+class CascadeStep:
+    """A step's plan on the device, what the triton backend reads (AttentionMetadata.cascade)."""
+    key_starts: torch.Tensor  # [B] int32: per decode row, its keys read by its tile (0: none)
+    tiles: torch.Tensor       # [T, 2 + members] int32: first row, shared_len, member rows (-1)
+    num_splits: int           # of each row's own keys
+    prefix_splits: int        # of each tile's prefix
+
+
+def plan_tiles(block_tables: list[list[int]], context_lens: list[int], num_decodes: int,
+               block_size: int, members: int) -> tuple[list[int], list[list[int]], int]:
+    """(key_starts per decode row, tiles [first row, shared_len, member rows...], keys saved) of
+    the decode rows that share leading blocks; tiles are padded with -1 to `members` rows."""
+    groups: dict[int, list[int]] = {}
+    for row in range(num_decodes):
+        groups.setdefault(block_tables[row][0], []).append(row)
+    key_starts, tiles, saved = [0] * num_decodes, [], 0
+    for rows in groups.values():
+        if len(rows) < 2:
+            continue
+        first = block_tables[rows[0]]
+        # whole blocks before every member's newest key (the one it writes this step)
+        n = min((context_lens[r] - 1) // block_size for r in rows)
+        for r in rows[1:]:
+            table = block_tables[r]
+            if table[:n] != first[:n]:
+                n = next(i for i, (a, b) in enumerate(zip(table, first)) if a != b)
+        if n == 0:
+            continue
+        shared_len = n * block_size
+        num_tiles = -(-len(rows) // members)
+        for t in range(num_tiles):  # near-equal tiles: each of a group of >= 2 has >= 2 rows
+            part = rows[t * len(rows) // num_tiles:(t + 1) * len(rows) // num_tiles]
+            tiles.append([part[0], shared_len] + part + [-1] * (members - len(part)))
+            saved += (len(part) - 1) * shared_len
+            for r in part:
+                key_starts[r] = shared_len
+    return key_starts, tiles, saved
+
+
+def pays(saved: int, context_lens: list[int], num_decodes: int) -> bool:
+    """The rule: cascade when it saves at least MIN_SAVED_FRACTION of the decodes' key reads."""
+    return saved > 0 and saved >= MIN_SAVED_FRACTION * sum(context_lens[:num_decodes])
+
+
+def prefix_splits(num_tiles: int, num_kv_heads: int, num_sms: int, max_keys: int) -> int:
+    """Splits of each tile's prefix: about 2 programs per SM, no split shorter than a key tile."""
+    useful = triton.cdiv(max_keys, decode_config(128)["BLOCK_N"])
+    wanted = triton.cdiv(2 * num_sms, max(1, num_tiles) * num_kv_heads)
+    return max(1, min(wanted, useful, MAX_PREFIX_SPLITS))
+
+
+class Cascade:
+    """One triton backend's cascade attention: plans steps, holds the scratch and the graphs."""
+
+    def __init__(self, backend, config):
+        self.backend, self.block_size = backend, config.kvcache_block_size
+        self.members = members_per_tile(backend.num_heads // backend.num_kv_heads)
+        self.max_model_len = config.max_model_len
+        slots = max(b * (self.num_splits(b) + MAX_PREFIX_SPLITS)
+                    for b in range(1, config.max_num_seqs + 1))
+        self.scratch = cascade_scratch(slots, 1, backend.num_heads, backend.head_dim,
+                                       torch.device(config.device))
+        self.twins: dict[int, tuple] = {}  # decode graph size -> (graph, its plan buffer)
+        self.pool = None
+        self.num_steps = 0  # steps that ran cascade attention (tests and benchmarks read it)
+
+    def num_splits(self, num_decodes: int) -> int:
+        b = self.backend
+        return num_decode_splits(num_decodes, b.num_kv_heads, b.head_dim, self.max_model_len,
+                                 b.num_sms)
+
+    def prepare(self, runner, step, meta, graph):
+        """Plan the step; if cascade pays, put the plan in meta (eager) or return the graph twin
+        that runs it (a decode step's graph); else return `graph` as it was."""
+        d = step.num_decodes
+        if d < 2 or graph is not None and d < len(step.context_lens):
+            return graph  # a mixed step's graph runs plain decode
+        key_starts, tiles, saved = plan_tiles(step.block_tables, step.context_lens, d,
+                                              self.block_size, self.members)
+        if not pays(saved, step.context_lens, d):
+            return graph
+        self.num_steps += 1
+        if graph is None:
+            splits = prefix_splits(len(tiles), self.backend.num_kv_heads, self.backend.num_sms,
+                                   max(t[1] for t in tiles))
+            flat = self.upload(key_starts + [x for t in tiles for x in t], runner)
+            meta.cascade = CascadeStep(flat[:d], flat[d:].view(len(tiles), -1),
+                                       self.num_splits(d), splits)
+            return None
+        size = graph.sizes[1]
+        if size not in self.twins:
+            self.twins[size] = self.capture(runner, graph)
+        twin, buffer = self.twins[size]
+        pad = [0] * (2 + self.members) * (size // 2 - len(tiles))  # unused tiles: shared_len 0
+        flat = key_starts + [0] * (size - d) + [x for t in tiles for x in t] + pad
+        self.upload(flat, runner, buffer)
+        return twin
+
+    def upload(self, values: list[int], runner, into: torch.Tensor | None = None) -> torch.Tensor:
+        pinned = torch.tensor(values, dtype=torch.int32, pin_memory=runner.pin)
+        if into is None:
+            return pinned.to(runner.device, non_blocking=True)
+        return into.copy_(pinned, non_blocking=True)
+
+    def capture(self, runner, graph) -> tuple:
+        """A decode graph's twin that runs cascade attention: the same inputs, plus a plan buffer
+        of [B] key starts and B // 2 tiles (each tile has >= 2 rows)."""
+        from nanovllm.engine.cuda_graphs import FullGraph, unpack
+        size = graph.sizes[1]
+        num_tiles = size // 2
+        buffer = torch.zeros(size + num_tiles * (2 + self.members), dtype=torch.int32,
+                             device=runner.device)
+        input_ids, positions, meta = unpack(graph.inputs, graph.sizes, graph.sizes, size)
+        tiles_guess = max(1, size // 16)  # the grid is static: assume 16 rows a tile
+        splits = prefix_splits(tiles_guess, self.backend.num_kv_heads, self.backend.num_sms,
+                               self.max_model_len)
+        meta.cascade = CascadeStep(buffer[:size], buffer[size:].view(num_tiles, -1),
+                                   self.num_splits(size), splits)
+        self.pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
+        return FullGraph(runner.model, (input_ids, positions, meta), self.pool), buffer

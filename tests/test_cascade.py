@@ -1,0 +1,181 @@
+"""Cascade attention (kernels/cascade.py, attention/cascade.py): decode rows that share leading KV
+blocks read them once. The kernel against a float64 reference over the same paged cache, the plan
+chooser (who shares what, the rule), and the engine's greedy tokens with cascade on and off for
+prefix hits, n > 1 and beam search (the triton backend, in Triton's interpreter on CPU)."""
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+from nanovllm import SamplingParams  # noqa: E402
+from nanovllm.attention.cascade import MIN_SAVED_FRACTION, pays, plan_tiles  # noqa: E402
+from nanovllm.kernels.cascade import cascade_attention, members_per_tile  # noqa: E402
+from tests.helpers import make_llm, random_prompts, token_ids  # noqa: E402
+from tests.test_triton_kernels import (  # noqa: E402
+    DEVICE, FP32_TOL, cu_seqlens, make_paged_cache, ref_attention, rel_err)
+
+# ---------- the plan ----------
+
+
+def test_plan_groups_rows_by_their_leading_blocks():
+    bs = 16
+    tables = [[1, 2, 3, 9], [1, 2, 3, 8], [1, 2, 7], [5, 6], [4, 2, 3, 10]]
+    lens = [60, 50, 40, 30, 60]
+    key_starts, tiles, saved = plan_tiles(tables, lens, 5, bs, members=4)
+    # rows 0-2 share blocks 1, 2 (row 2 leaves block 3); rows 3 and 4 share nothing with anyone
+    assert tiles == [[0, 32, 0, 1, 2, -1]]
+    assert key_starts == [32, 32, 32, 0, 0] and saved == 2 * 32
+
+
+def test_plan_keeps_each_rows_newest_key_its_own():
+    """A row whose context ends on a block boundary writes its newest key into its last block: that
+    block is never part of the shared prefix, even where the tables agree."""
+    key_starts, tiles, _ = plan_tiles([[1, 2], [1, 2]], [32, 40], 2, 16, members=4)
+    assert tiles == [[0, 16, 0, 1, -1, -1]] and key_starts == [16, 16]
+    assert plan_tiles([[1], [1]], [16, 16], 2, 16, members=4)[1] == []  # nothing left to share
+
+
+def test_plan_cuts_big_groups_into_near_equal_tiles_and_skips_prefill_rows():
+    tables = [[1, 2, 3]] * 11 + [[1, 2, 3]]  # the last row is a prefill chunk (not a decode)
+    key_starts, tiles, saved = plan_tiles(tables, [40] * 12, 11, 16, members=4)
+    assert [t[2:] for t in tiles] == [[0, 1, 2, -1], [3, 4, 5, 6], [7, 8, 9, 10]]
+    assert len(key_starts) == 11 and saved == (2 + 3 + 3) * 32
+
+
+def test_the_rule_needs_a_share_of_the_keys():
+    lens = [100] * 4
+    assert pays(int(MIN_SAVED_FRACTION * 400), lens, 4)
+    assert not pays(int(MIN_SAVED_FRACTION * 400) - 1, lens, 4)
+    assert not pays(0, [0], 0)
+
+
+# ---------- the kernel ----------
+
+def shared_cache(groups, own_lens, shared_blocks, num_kv_heads, head_dim, block_size):
+    """A paged cache where the rows of each group share their first `shared_blocks` blocks (those of
+    the group's first row); the blocks a row gave up are poisoned with NaN."""
+    lens = [shared_blocks * block_size + n for n in own_lens]
+    k_cache, v_cache, tables = make_paged_cache(lens, num_kv_heads, head_dim, block_size,
+                                                torch.float32, DEVICE)
+    for rows in groups:
+        for r in rows[1:]:
+            dropped = tables[r, :shared_blocks].long()
+            k_cache[dropped] = v_cache[dropped] = float("nan")
+            tables[r, :shared_blocks] = tables[rows[0], :shared_blocks]
+    return k_cache, v_cache, tables, lens
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (8, 1), (3, 1)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_splits,prefix_splits", [(1, 1), (3, 4)])
+def test_cascade_attention_equals_the_reference(num_heads, num_kv_heads, block_size, num_splits,
+                                                prefix_splits):
+    """Two groups (one larger than a tile) and a row of its own, then a prefill chunk's row and a
+    padding row that must stay unwritten."""
+    random.seed(0)
+    head_dim, shared_blocks = 64, 3
+    members = members_per_tile(num_heads // num_kv_heads)
+    big = members + 3
+    groups = [list(range(big)), [big, big + 1]]
+    num_rows = big + 3
+    own = [random.randint(1, 2 * block_size) for _ in range(num_rows)] + [40]
+    k_cache, v_cache, tables, lens = shared_cache(groups, own, shared_blocks, num_kv_heads,
+                                                  head_dim, block_size)
+    context_lens = lens[:num_rows] + [0] + [lens[-1]]  # a padding row, then the prefill chunk
+    tables = torch.cat([tables[:num_rows], tables[:1], tables[-1:]])
+    q_lens = [1] * num_rows + [0, 3]
+    host_tables = tables.tolist()
+    key_starts, tiles, saved = plan_tiles(host_tables, context_lens, num_rows, block_size, members)
+    assert len(tiles) == 3 and saved > 0  # the big group is two tiles
+    q = torch.randn(sum(q_lens), num_heads, head_dim)
+    cu = cu_seqlens(q_lens, DEVICE)
+    out = torch.full_like(q, float("nan"))
+    d = len(context_lens)  # the kernels run every row; the data says which are decodes
+    key_starts += [0, 0]
+    cascade_attention(q, k_cache, v_cache, cu, torch.tensor(context_lens, dtype=torch.int32),
+                      tables, torch.tensor(key_starts[:d], dtype=torch.int32),
+                      torch.tensor(tiles, dtype=torch.int32), head_dim ** -0.5, num_splits,
+                      prefix_splits, out=out)
+    for i in range(num_rows):
+        ref = ref_attention(q[i:i + 1], k_cache, v_cache, tables[i], context_lens[i],
+                            head_dim ** -0.5)
+        err = rel_err(out[i:i + 1], ref)
+        assert err < FP32_TOL, f"row {i} (context {context_lens[i]}): rel err {err}"
+    assert out[num_rows:].isnan().all(), "the prefill chunk's rows were written"
+
+
+def test_unused_tiles_write_nothing():
+    """A CUDA graph launches a fixed number of tiles: those with shared_len 0 are skipped."""
+    k_cache, v_cache, tables, lens = shared_cache([[0, 1]], [5, 9], 2, 2, 64, 16)
+    q = torch.randn(2, 4, 64)
+    key_starts, tiles, _ = plan_tiles(tables.tolist(), lens, 2, 16, members_per_tile(2))
+    tiles += [[0] * len(tiles[0])] * 3
+    out = cascade_attention(q, k_cache, v_cache, cu_seqlens([1, 1], DEVICE),
+                            torch.tensor(lens, dtype=torch.int32), tables,
+                            torch.tensor(key_starts, dtype=torch.int32),
+                            torch.tensor(tiles, dtype=torch.int32), 0.125, 2, 2)
+    for i in range(2):
+        assert rel_err(out[i:i + 1], ref_attention(q[i:i + 1], k_cache, v_cache, tables[i],
+                                                   lens[i], 0.125)) < FP32_TOL
+
+
+# ---------- the engine ----------
+
+PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def engines(tiny_path):
+    return {on: make_llm(tiny_path, attn_backend="triton", dtype="float32",
+                         disable_cascade_attn=not on) for on in (True, False)}
+
+
+def cascade_steps(llm) -> int:
+    return llm.model_runner.backend.cascade.num_steps
+
+
+@pytest.fixture(scope="module")
+def triton_llms(tiny_path):
+    return engines(tiny_path)
+
+
+def test_prefix_hits_equal_plain_and_alone(triton_llms):
+    """Requests behind one system prompt of 3 blocks (a prefix-cache hit each): the same greedy
+    tokens with cascade on, off, and each request alone."""
+    system = random_prompts(1, (48, 48), seed=5)[0]
+    requests = [system + p for p in random_prompts(4, (2, 20), seed=6)]
+    llm_on, llm_off = triton_llms[True], triton_llms[False]
+    results, before = {}, cascade_steps(llm_on)
+    for on, llm in triton_llms.items():
+        llm.generate([system + [1]], PARAMS, use_tqdm=False)  # caches the system prompt
+        results[on] = token_ids(llm.generate(requests, PARAMS, use_tqdm=False))
+    assert cascade_steps(llm_on) > before, "cascade never ran"
+    alone = [token_ids(llm_off.generate([r], PARAMS, use_tqdm=False))[0] for r in requests]
+    assert results[True] == results[False] == alone
+
+
+def test_parallel_samples_equal_plain(triton_llms):
+    """n = 3 samples of each of two prompts share the prompts' blocks (forks)."""
+    prompts = random_prompts(2, (40, 60), seed=7)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=3)
+    results, before = {}, cascade_steps(triton_llms[True])
+    for on, llm in triton_llms.items():
+        out = llm.generate(prompts, params, use_tqdm=False)
+        results[on] = [[c.token_ids for c in o.outputs] for o in out]
+    assert cascade_steps(triton_llms[True]) > before, "cascade never ran"
+    assert results[True] == results[False]
+
+
+def test_beam_search_equals_plain(triton_llms):
+    prompts = random_prompts(2, (35, 50), seed=8)
+    results, before = {}, cascade_steps(triton_llms[True])
+    for on, llm in triton_llms.items():
+        beams = llm.beam_search(prompts, beam_width=3, max_tokens=5)
+        results[on] = [[(b["token_ids"], b["score"]) for b in bs] for bs in beams]
+    assert cascade_steps(triton_llms[True]) > before, "cascade never ran"
+    for on, off in zip(results[True], results[False]):
+        assert [t for t, _ in on] == [t for t, _ in off]
+        assert [s for _, s in on] == pytest.approx([s for _, s in off], abs=1e-4)
