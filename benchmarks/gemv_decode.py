@@ -93,7 +93,6 @@ def projection_sweep():
               f"best {t_best:.2f} us {cfg}, with PDL {t_pdl:.2f} us ({gbps:.0f} GB/s); next: "
               + ", ".join(f"{t:.2f} {c}" for t, c in results[1:5]), flush=True)
         best[name] = cfg
-        del ws
     return best
 
 
@@ -211,12 +210,12 @@ def model_variants(best: dict | None, rows_list=(1, 2, 4, 8), context: int = 768
             errs = []
             for name, (hidden, logits) in outs.items():
                 ph, pl = outs["plain"]
+                same = torch.equal(logits.argmax(-1), pl.argmax(-1))
                 errs.append(f"{name}: hidden {((hidden - ph).abs().max() / ph.abs().max()):.1e}"
                             f" logits {((logits - pl).abs().max() / pl.abs().max()):.1e} argmax "
-                            f"{'same' if torch.equal(logits.argmax(-1), pl.argmax(-1)) else 'DIFF'}")
+                            f"{'same' if same else 'DIFF'}")
         print(line, flush=True)
         print("  max |fused - plain| / max |plain|: " + "; ".join(errs[1:]), flush=True)
-        del model
 
 
 def main():
