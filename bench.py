@@ -7,6 +7,9 @@ Without --model it runs an architecture shipped in benchmarks/ (--arch: Qwen3-0.
 random weights; `--tp 2` splits it over 2 GPUs.
 `--table` runs the batch x length grid (output length = input length) and reports decode tokens/s.
 `--kv-cache-dtype auto fp8` runs each backend with each KV cache dtype, in one run (a row each).
+`--workload shared-prefix` (16 system prompts of 1,024 tokens, 16 requests each with 32 tokens of
+their own) and `--workload n8` (32 prompts of 2,000 tokens, n=8 samples each): 256 sequences of 256
+output tokens, run with cascade attention on and off (`--cascade`, a row each; attention/cascade.py).
 """
 import argparse
 import gc
@@ -51,6 +54,30 @@ def nano_vllm_workload(llm: LLM, args) -> tuple[int, float]:
     return sum(p.max_tokens for p in params), time.perf_counter() - start
 
 
+def sharing_requests(workload: str, seed_value: int = 0, max_tokens: int = 256):
+    """The prompts and parameters of a workload whose sequences share KV blocks: 256 sequences of
+    max_tokens output tokens (temperature 0.6, ignore_eos)."""
+    seed(seed_value)
+    tokens = lambda n: [randint(0, 10000) for _ in range(n)]  # noqa: E731
+    if workload == "shared-prefix":  # request j of system prompt i at j * 16 + i: arrivals mix
+        systems = [tokens(1024) for _ in range(16)]
+        prompts = [systems[i] + tokens(32) for _ in range(16) for i in range(16)]
+        return prompts, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens)
+    return [tokens(2000) for _ in range(32)], SamplingParams(temperature=0.6, ignore_eos=True,
+                                                             max_tokens=max_tokens, n=8)
+
+
+def sharing_workload(llm: LLM, workload: str) -> tuple[int, float]:
+    """A warm-up on other prompts of the same shape (a few tokens: it captures the graphs the
+    workload replays), then the workload; returns (output tokens, seconds)."""
+    llm.generate(*sharing_requests(workload, seed_value=1, max_tokens=4), use_tqdm=False)
+    prompts, params = sharing_requests(workload)
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return sum(len(c.token_ids) for o in outputs for c in o.outputs), time.perf_counter() - start
+
+
 def decode_throughput(llm: LLM, batch: int, length: int) -> float:
     """Decode tokens/s of `batch` random prompts of `length` tokens, generating `length` tokens each:
     tokens generated after every request has its first one, over the time they took."""
@@ -81,6 +108,14 @@ def print_graphs(llm, backend: str):
               f"{graphs.capture_seconds:.1f} s, {graphs.capture_bytes / 2**30:.2f} GiB", flush=True)
 
 
+def print_cascade(llm, name: str):
+    """How many steps read shared prefixes once (attention/cascade.py)."""
+    cascade = getattr(llm.model_runner.backend, "cascade", None)
+    if cascade is not None:
+        print(f"{name}: cascade attention in {cascade.num_steps} steps, {len(cascade.twins)} "
+              f"graph twins captured in {cascade.capture_seconds:.1f} s", flush=True)
+
+
 def release(llm):
     llm.shutdown()  # stops tensor-parallel workers too, freeing their GPUs
     gc.collect()
@@ -102,6 +137,10 @@ def main():
     parser.add_argument("--num-seqs", type=int, default=256, help="nano-vllm's workload: sequences")
     parser.add_argument("--max-input-len", type=int, default=1024, help="prompts of randint(100, this) tokens")
     parser.add_argument("--max-output-len", type=int, default=1024, help="outputs of randint(100, this)")
+    parser.add_argument("--workload", default="nano-vllm", choices=["nano-vllm", "shared-prefix", "n8"],
+                        help="shared-prefix, n8: sequences that share KV blocks (see above)")
+    parser.add_argument("--cascade", nargs="+", choices=["on", "off"], default=None,
+                        help="cascade attention (triton); default: on and off for shared-prefix and n8")
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8"],
                         help="KV cache dtypes, each with every backend (fp8: triton, sdpa)")
     args = parser.parse_args()
@@ -111,13 +150,21 @@ def main():
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     model = args.model or f"{args.arch} (random weights)"
     rows = []
-    for backend, kv_dtype in [(b, d) for b in args.attn_backend for d in args.kv_cache_dtype]:
+    cascades = args.cascade or (["on"] if args.workload == "nano-vllm" else ["on", "off"])
+    for backend, kv_dtype, cascade in [(b, d, c) for b in args.attn_backend
+                                       for d in args.kv_cache_dtype for c in cascades]:
         name = backend if kv_dtype == "auto" else f"{backend} {kv_dtype}"
+        name += f", cascade {cascade}" if backend == "triton" and args.cascade or len(cascades) > 1 else ""
         if not args.table:
-            llm = make_llm(args, backend, kv_dtype, max_model_len=4096)
+            llm = make_llm(args, backend, kv_dtype, max_model_len=4096,
+                           disable_cascade_attn=cascade == "off")
             print_kv_cache(llm, name)
             print_graphs(llm, name)
-            tokens, seconds = nano_vllm_workload(llm, args)
+            if args.workload == "nano-vllm":
+                tokens, seconds = nano_vllm_workload(llm, args)
+            else:
+                tokens, seconds = sharing_workload(llm, args.workload)
+            print_cascade(llm, name)
             rows.append(f"| {name} | {tokens} | {seconds:.2f} | {tokens / seconds:,.0f} |")
         else:
             grid = dict(max_model_len=2 * max(args.lengths), max_num_seqs=max(args.batches))
@@ -136,7 +183,10 @@ def main():
             rows.append(f"| {name} | " + " | ".join(cells) + " |")
         release(llm)
         print(rows[-1], flush=True)
-    print(f"\n{model}, {device}, tensor_parallel_size={args.tp}" + ("" if args.table else ", nano-vllm's workload"))
+    workload = {"nano-vllm": "nano-vllm's workload", "shared-prefix": "16 system prompts of 1,024 "
+                "tokens x 16 requests (+32 tokens each), 256 output tokens each",
+                "n8": "32 prompts of 2,000 tokens, n=8 samples of 256 tokens each"}[args.workload]
+    print(f"\n{model}, {device}, tensor_parallel_size={args.tp}" + ("" if args.table else f", {workload}"))
     if args.table:
         header = [f"b{b} L{n}" for n in args.lengths for b in args.batches]
         print("decode tokens/s, batch b, prompt length L = output length L\n")

@@ -17,6 +17,7 @@ from nanovllm.kernels.cascade import cascade_attention, members_per_tile  # noqa
 from tests.helpers import make_llm, random_prompts, token_ids  # noqa: E402
 from tests.test_triton_kernels import (  # noqa: E402
     DEVICE, FP32_TOL, cu_seqlens, make_paged_cache, ref_attention, rel_err)
+from tests.test_triton_kernels import default_device  # noqa: E402, F401 (autouse: GPU tensors)
 
 # ---------- the plan ----------
 

@@ -16,6 +16,7 @@ time it is needed, that reads the same inputs plus the plan at fixed addresses (
 two rows; unused tiles have shared_len 0). The triton backend alone does this; the others ignore
 `disable_cascade_attn`.
 """
+import time
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +95,7 @@ class Cascade:
         self.twins: dict[int, tuple] = {}  # decode graph size -> (graph, its plan buffer)
         self.pool = None
         self.num_steps = 0  # steps that ran cascade attention (tests and benchmarks read it)
+        self.capture_seconds = 0.0
 
     def num_splits(self, num_decodes: int) -> int:
         b = self.backend
@@ -148,4 +150,7 @@ class Cascade:
         meta.cascade = CascadeStep(buffer[:size], buffer[size:].view(num_tiles, -1),
                                    self.num_splits(size), splits)
         self.pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
-        return FullGraph(runner.model, (input_ids, positions, meta), self.pool), buffer
+        start = time.perf_counter()
+        twin = FullGraph(runner.model, (input_ids, positions, meta), self.pool)
+        self.capture_seconds += time.perf_counter() - start
+        return twin, buffer
