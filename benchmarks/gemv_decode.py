@@ -22,7 +22,7 @@ from nanovllm.attention import AttentionMetadata
 from nanovllm.attention.triton import TritonBackend
 from nanovllm.kernels import gemv as gemv_module
 from nanovllm.kernels.gemv import NORM, PLAIN, SILU, gemv
-from nanovllm.models.llama import LlamaForCausalLM
+from nanovllm.models.llama import DecoderLayer, LlamaForCausalLM
 
 ARCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "Qwen3-0.6B", "config.json")
 COPIES = 28
@@ -162,9 +162,15 @@ def plain_layer(layer, positions, x, residual, meta):
     return layer.mlp(x), residual
 
 
-def model_variants(best: dict | None, rows_list=(1, 4, 8), context: int = 768):
+def any_rows(self, positions, x, residual, meta):
+    """DecoderLayer.forward whatever the rows: the variant set in fused_decode.decode_layer."""
+    return fused_decode.decode_layer(self, positions, x, residual, meta)
+
+
+def model_variants(best: dict | None, rows_list=(1, 2, 4, 8), context: int = 768):
     """The 28 layers (one graph) per variant, and the error of the fused path against the plain."""
     fused_layer = fused_decode.decode_layer
+    DecoderLayer.forward = any_rows  # the fused layer at any M, not only up to the hook's
     default_config = gemv_module.gemv_config
     import nanovllm.attention.triton as triton_backend
     default_splits = triton_backend.num_decode_splits
@@ -216,16 +222,29 @@ def model_variants(best: dict | None, rows_list=(1, 4, 8), context: int = 768):
                             f"{'same' if same else 'DIFF'}")
         print(line, flush=True)
         print("  max |fused - plain| / max |plain|: " + "; ".join(errs[1:]), flush=True)
+        try:  # bf16 noise: each against the plain layer in float32 (same weights, bf16 KV cache)
+            with torch.inference_mode():
+                model.float()
+                ref = model.compute_logits(model(ids, positions, meta)).double()
+            print("  logits against float32: " + "; ".join(
+                f"{name} {((out[1] - ref).abs().max() / ref.abs().max()):.1e} argmax "
+                f"{'same' if torch.equal(out[1].argmax(-1), ref.argmax(-1)) else 'DIFF'}"
+                for name, out in outs.items()), flush=True)
+        except Exception as e:
+            print(f"  float32 reference failed: {e!r}", flush=True)
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--no-lm-head", action="store_true")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     best = projection_sweep() if args.sweep else None
-    lm_head()
-    model_variants(best)
+    if not args.no_lm_head:
+        lm_head()
+    model_variants(best, args.rows)
 
 
 if __name__ == "__main__":

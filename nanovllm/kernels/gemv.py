@@ -105,10 +105,10 @@ def _gemv_kernel(
 
 
 def gemv_config(n: int, k: int) -> dict:
-    """BLOCK_N, BLOCK_K and warps of one projection; measured on an H200 at M=1 (see
-    benchmarks/gemv_decode.py)."""
-    return dict(BLOCK_N=8 if n > 2048 else 4, BLOCK_K=min(1024, triton.next_power_of_2(k)),
-                num_warps=4)
+    """BLOCK_N, BLOCK_K and warps of one projection: the best of a sweep on an H200 at M=1 for each
+    of Qwen3-0.6B's (benchmarks/results/h200_batch1_micro.log)."""
+    return dict(BLOCK_N=4, BLOCK_K=min(1024, triton.next_power_of_2(k)),
+                num_warps=8 if k > 1024 else 4)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
