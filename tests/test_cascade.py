@@ -178,4 +178,5 @@ def test_beam_search_equals_plain(triton_llms):
     assert cascade_steps(triton_llms[True]) > before, "cascade never ran"
     for on, off in zip(results[True], results[False]):
         assert [t for t, _ in on] == [t for t, _ in off]
-        assert [s for _, s in on] == pytest.approx([s for _, s in off], abs=1e-4)
+        # float tolerance: a GPU's float32 dots are tf32, summed in another order
+        assert [s for _, s in on] == pytest.approx([s for _, s in off], rel=1e-3, abs=1e-4)

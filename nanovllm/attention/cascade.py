@@ -44,10 +44,12 @@ def plan_tiles(block_tables: list[list[int]], context_lens: list[int], num_decod
                block_size: int, members: int) -> tuple[list[int], list[list[int]], int]:
     """(key_starts per decode row, tiles [first row, shared_len, member rows...], keys saved) of
     the decode rows that share leading blocks; tiles are padded with -1 to `members` rows."""
+    key_starts, tiles, saved = [0] * num_decodes, [], 0
+    if len({table[0] for table in block_tables[:num_decodes]}) == num_decodes:
+        return key_starts, tiles, saved  # no two rows share a first block (the common case)
     groups: dict[int, list[int]] = {}
     for row in range(num_decodes):
         groups.setdefault(block_tables[row][0], []).append(row)
-    key_starts, tiles, saved = [0] * num_decodes, [], 0
     for rows in groups.values():
         if len(rows) < 2:
             continue
