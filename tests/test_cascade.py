@@ -123,6 +123,22 @@ def test_unused_tiles_write_nothing():
                                                    lens[i], 0.125)) < FP32_TOL
 
 
+def test_cascade_reads_an_fp8_cache():
+    """kv_cache_dtype="fp8": the prefix kernel widens K and V as the decode kernel does, with the
+    scales (against float64 over the dequantized cache)."""
+    from nanovllm.attention.fp8 import dequantize, quantize
+    k_cache, v_cache, tables, lens = shared_cache([[0, 1, 2]], [3, 20, 9], 2, 2, 64, 16)
+    k8, v8 = quantize(k_cache * 3, 2.0), quantize(v_cache, 0.5)
+    k_ref, v_ref = dequantize(k8, torch.float32, 2.0), dequantize(v8, torch.float32, 0.5)
+    q = torch.randn(3, 4, 64, device=DEVICE)
+    key_starts, tiles, _ = plan_tiles(tables.tolist(), lens, 3, 16, members_per_tile(2))
+    out = cascade_attention(q, k8, v8, cu_seqlens([1, 1, 1], DEVICE), ints(lens), tables,
+                            ints(key_starts), ints(tiles), 0.125, 1, 2, k_scale=2.0, v_scale=0.5)
+    for i in range(3):
+        ref = ref_attention(q[i:i + 1], k_ref, v_ref, tables[i], lens[i], 0.125)
+        assert rel_err(out[i:i + 1], ref) < FP32_TOL, f"row {i}"
+
+
 # ---------- the engine ----------
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
