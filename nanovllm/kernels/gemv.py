@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-MAX_ROWS = 8  # rows (decode sequences) up to which a layer takes these kernels
+MAX_ROWS = 8  # rows the kernels take; a decoder layer uses them at <= 2 (models/llama.py)
 PLAIN, NORM, SILU = 0, 1, 2
 
 
