@@ -128,7 +128,8 @@ def drive(llm: LLM, requests: list[tuple[int, int]], arrivals: list[float], voca
     legacy = "output_kind" not in SamplingParams.__dataclass_fields__  # before RequestOutputs
     index_of, done, arrived, timeline, samples = {}, {}, [], [], []
     running = max_running = steps = nxt = 0
-    counts = getattr(llm, "output_processor", None)  # None: an engine before the output processor
+    # log_stats' counts (engine/metrics.py), or an older engine's output processor's, or none
+    counts = getattr(llm, "stats", None) or getattr(llm, "output_processor", None)
     generated0, last_sample = getattr(counts, "num_generation_tokens", 0), -math.inf
     preemptions0 = llm.scheduler.num_preemptions
     start = time.monotonic()
@@ -252,11 +253,12 @@ def make_llm(args, **options) -> LLM:
         if not os.path.isfile(os.path.join(path, "config.json")):
             build_random_checkpoint("qwen3", path)
         defaults = dict(skip_tokenizer_init=True, device="cpu", kvcache_block_size=16,
-                        num_kvcache_blocks=args.num_kvcache_blocks or 64, max_model_len=1024)
+                        num_kvcache_blocks=args.num_kvcache_blocks or 64, max_model_len=1024,
+                        log_stats=True, async_scheduling=True)  # run ahead as on CUDA
         return LLM(path, **{**defaults, **options})
     defaults = dict(load_format="dummy", skip_tokenizer_init=True, attn_backend=args.attn_backend,
                     num_kvcache_blocks=args.num_kvcache_blocks or -1,
-                    enforce_eager=args.enforce_eager)
+                    enforce_eager=args.enforce_eager, log_stats=True)
     return LLM(os.path.join(ARCHS, args.arch), **{**defaults, **options})
 
 

@@ -13,7 +13,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 CHOICES = {"attn_backend": ("", *BACKENDS), "device": ("", "cuda", "cpu"),
            "dtype": ("auto", *DTYPES), "load_format": ("safetensors", "dummy"),
            "preemption_mode": ("recompute", "swap"),
-           "kv_reservation": (None, "oracle", "pow2", "max"), "kv_cache_dtype": ("auto", "fp8")}
+           "kv_reservation": (None, "oracle", "pow2", "max"), "kv_cache_dtype": ("auto", "fp8"),
+           "async_scheduling": (None, True, False)}
 AT_LEAST_ONE = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size")
 RANGES = {  # option: (test, what is allowed)
     **{name: (lambda v: v >= 1, ">= 1") for name in AT_LEAST_ONE},
@@ -35,6 +36,7 @@ class Config:
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1         # -1: from free GPU memory, or 1 GiB on CPU
     enforce_eager: bool = False          # no CUDA graphs
+    async_scheduling: bool | None = None  # run ahead of the GPU (engine/run_ahead.py); None: CUDA
     attn_backend: str = ""               # "": flash on CUDA if installed, else triton; sdpa on CPU
     device: str = ""                     # "": cuda when present, else cpu
     dtype: str = "auto"                  # "auto": the checkpoint's dtype on CUDA, float32 on CPU
@@ -47,6 +49,7 @@ class Config:
     kv_cache_dtype: str = "auto"         # "auto": the model's dtype; "fp8": e4m3 (attention/fp8.py)
     disable_cascade_attn: bool = False   # True: shared prefixes read per row (attention/cascade.py)
     skip_tokenizer_init: bool = False
+    log_stats: bool = False              # request timings, token counts (engine/metrics.py)
     tokenizer: str = ""                  # "": the model directory's; else a directory holding one
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -81,6 +84,8 @@ class Config:
         if self.preemption_mode == "swap" and not self.swap_space > 0:
             raise ValueError(f"swap_space={self.swap_space} must be > 0 (GiB) to swap")
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if self.async_scheduling is None:  # on CPU a step is done when it returns: nothing to gain
+            self.async_scheduling = self.device == "cuda"
         if not self.attn_backend:
             flash = importlib.util.find_spec("flash_attn") is not None
             self.attn_backend = "sdpa" if self.device == "cpu" else "flash" if flash else "triton"

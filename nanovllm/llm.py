@@ -51,18 +51,18 @@ class LLM(LLMEngine):
         or nano-vllm's `out["text"]`). Interrupted, it aborts its requests before it raises."""
         request_ids = self._queue_all(prompts, sampling_params, output_kind="final")
         outputs = dict.fromkeys(request_ids)
-        counts, start = self.output_processor, time.perf_counter()
-        first = counts.num_prompt_tokens, counts.num_generation_tokens
+        num_prompt = num_generated = 0
+        start = time.perf_counter()
         bar = tqdm(total=len(request_ids), desc="Generating", dynamic_ncols=True,
                    disable=not use_tqdm)
         with bar:
             for out in self._run(request_ids):
                 outputs[out.request_id] = out
+                num_prompt += len(out.prompt_token_ids)
+                num_generated += sum(len(sample.token_ids) for sample in out.outputs)
                 seconds = time.perf_counter() - start  # vLLM's rates: tokens over the time so far
-                prefill = (counts.num_prompt_tokens - first[0]) / seconds
-                decode = (counts.num_generation_tokens - first[1]) / seconds
-                bar.set_postfix_str(f"input: {prefill:.0f} tok/s, output: {decode:.0f} tok/s",
-                                    refresh=False)
+                bar.set_postfix_str(f"input: {num_prompt / seconds:.0f} tok/s, "
+                                    f"output: {num_generated / seconds:.0f} tok/s", refresh=False)
                 bar.update(1)
         return list(outputs.values())
 

@@ -1,5 +1,5 @@
 """What the engine returns, shaped like vLLM's: a RequestOutput per request, holding a
-CompletionOutput per generated sample, and the request's timings. `out["text"]` and
+CompletionOutput per generated sample (and the request's timings, with log_stats). `out["text"]` and
 `out["token_ids"]` (nano-vllm's dicts) still work: they read the first sample."""
 from dataclasses import dataclass, field
 
@@ -19,37 +19,6 @@ class CompletionOutput:
 
 
 @dataclass
-class RequestMetrics:
-    """Wall-clock times (time.monotonic) of one request, and the latencies made from them."""
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
-    num_output_tokens: int = 0  # of the first sample
-
-    @property
-    def queue_time(self) -> float | None:
-        scheduled = self.first_scheduled_time
-        return None if scheduled is None else scheduled - self.arrival_time
-
-    @property
-    def time_to_first_token(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def time_per_output_token(self) -> float | None:
-        """Mean time between output tokens after the first (TPOT)."""
-        if self.num_output_tokens < 2:
-            return None
-        return (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
-
-    @property
-    def e2e_latency(self) -> float | None:
-        return None if self.finished_time is None else self.finished_time - self.arrival_time
-
-
-@dataclass
 class RequestOutput:
     request_id: int | str
     prompt: str | None
@@ -57,7 +26,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int  # prompt tokens served from the prefix cache
-    metrics: RequestMetrics = field(repr=False, default=None)
+    metrics: object = field(repr=False, default=None)  # with log_stats: engine/metrics.py
 
     def __getitem__(self, key: str):
         """nano-vllm's dict access: the first sample's fields, or the request's."""

@@ -49,8 +49,11 @@ def build_random_checkpoint(name: str, path: str, seed: int = 0):
 
 
 def make_llm(path: str, **options) -> LLM:
-    """An engine with test-sized defaults: 16-token blocks, a small explicit cache, no tokenizer for random models."""
-    defaults = dict(kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=256, load_format="safetensors")
+    """An engine with test-sized defaults: 16-token blocks, a small explicit cache, no tokenizer for random models,
+    and run-ahead (async_scheduling, the default on CUDA, the path with more to get wrong; CPU's default is tested
+    against it in tests/test_run_ahead.py)."""
+    defaults = dict(kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=256, load_format="safetensors",
+                    async_scheduling=True)
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         defaults["skip_tokenizer_init"] = True
     return LLM(path, **{**defaults, **options})

@@ -25,7 +25,7 @@ def build_tiny_llama(path: str, vocab_size: int = 300, eos_token_id: int | None 
 
 def make_llm(path: str, **options) -> LLM:
     defaults = dict(skip_tokenizer_init=True, device="cpu", attn_backend="sdpa", kvcache_block_size=BLOCK_SIZE,
-                    num_kvcache_blocks=128)
+                    num_kvcache_blocks=128, async_scheduling=True)  # run-ahead, as on CUDA
     return LLM(path, **{**defaults, **options})
 
 

@@ -144,7 +144,8 @@ def test_kv_breakdown():
 
 
 def test_drive_metrics_on_a_tiny_run(tiny_path):
-    llm = make_llm(tiny_path, kv_reservation="pow2", max_model_len=256, num_kvcache_blocks=48)
+    llm = make_llm(tiny_path, kv_reservation="pow2", max_model_len=256, num_kvcache_blocks=48,
+                   log_stats=True)
     requests = serving.synthesize("alpaca", 16, 0, 256)
     arrivals = serving.poisson_arrivals(200.0, len(requests), 0)
     result = serving.drive(llm, requests, arrivals, 512, 0)

@@ -12,6 +12,7 @@ import random
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from itertools import count
 
 import pytest
@@ -481,18 +482,20 @@ def test_an_interrupt_inside_a_step_leaves_other_requests_intact(tiny_path, tiny
     end with the tokens of an unconstrained run. Before: they kept the placeholders of the step
     that never ran: a token -1 in the output and wrong tokens after it, or an IndexError in a
     later step (index 3 is out of bounds for dimension 0 with size 2)."""
-    import nanovllm.engine.model_runner as model_runner
+    import nanovllm.layers.sampler as sampler
     llm = make_llm(tiny_path, num_kvcache_blocks=14, preemption_mode=mode, swap_space=0.001,
                    max_num_batched_tokens=32)
     ids, expected = queue_earlier_requests(llm, tiny, seed=88)
     runner = llm.model_runner
-    if site == "sample":
-        monkeypatch.setattr(model_runner, "sample", interrupt_at(3, model_runner.sample))
+    params = GREEDY
+    if site == "sample":  # greedy rows take the argmax: these requests sample, seeded
+        params = replace(GREEDY, temperature=1.0, seed=5)
+        monkeypatch.setattr(sampler, "sample", interrupt_at(3, sampler.sample))
     else:
         owner = runner if site == "execute" else runner.model
         monkeypatch.setattr(owner, site, interrupt_at(3, getattr(owner, site)))
     with pytest.raises(KeyboardInterrupt):
-        llm.generate(random_prompts(3, (10, 40), seed=89), GREEDY, use_tqdm=False)
+        llm.generate(random_prompts(3, (10, 40), seed=89), params, use_tqdm=False)
     monkeypatch.undo()
     finals = {o.request_id: o for o in drain(llm) if o.finished}
     assert [[s.token_ids for s in finals[i].outputs] for i in ids] == expected

@@ -2,10 +2,8 @@
 tokenized into its first Sequence, before anything is queued. A request that could never run is
 refused here, with the numbers, rather than failing later inside a step."""
 import os
-import time
 
 from nanovllm.engine.sequence import Sequence, num_blocks_for
-from nanovllm.outputs import RequestMetrics
 from nanovllm.sampling_params import SamplingParams
 
 PROMPT_KEYS = {"prompt", "prompt_token_ids"}  # vLLM's prompt dicts
@@ -69,5 +67,5 @@ class InputProcessor:
                              f"{self.num_kvcache_blocks}; lower max_tokens (or n), or enlarge the "
                              "cache")
         seq = Sequence(prompt, params, block_size, max_len)
-        seq.prompt, seq.metrics = text, RequestMetrics(time.monotonic())
+        seq.prompt = text
         return seq

@@ -1,9 +1,10 @@
 """The engine loop: `add_request` queues a request, `step` runs one iteration of continuous
 batching.
 
-A step schedules a batch (nanovllm/engine/scheduler.py) and launches it on the model runner, then
-reads the tokens of the step launched before it (run-ahead: nanovllm/engine/run_ahead.py) and hands
-them to the scheduler, which ends the sequences the output processor says are done. Requests come in
+A step schedules a batch (nanovllm/engine/scheduler.py), launches it on the model runner, reads its
+sampled tokens and hands them to the scheduler, which ends the sequences the output processor says
+are done. (With async_scheduling, the default on CUDA, it reads the tokens of the step launched
+before instead, while this one runs: nanovllm/engine/run_ahead.py.) Requests come in
 through the input processor and leave through the output processor as RequestOutputs. With
 tensor_parallel_size > 1 the engine also starts one worker process per extra rank; `shutdown()` (or
 leaving a `with LLM(...)` block, or the engine being collected, or the program's exit) stops them.
@@ -15,7 +16,6 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.input_processor import InputProcessor, load_tokenizer
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_processor import OutputProcessor
-from nanovllm.engine.run_ahead import SampledTokens
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.outputs import RequestOutput
@@ -48,9 +48,13 @@ class LLMEngine:
         self.output_processor = OutputProcessor(config, self.tokenizer)
         self.model_runner.eos_token_ids = self.output_processor.eos_token_ids
         self.requests: dict[int | str, Sequence] = {}  # request id -> root sequence, until it ends
-        self.in_flight: tuple[ScheduledBatch, SampledTokens] | None = None  # launched, not read yet
+        self.in_flight = None  # (batch, tokens) launched and not read yet (engine/run_ahead.py)
         self.held: list[RequestOutput] = []  # outputs a caller's generate() did not ask for
         self.tracer = None  # a Trace (nanovllm/trace.py) while one is open: sees every step
+        self.stats = None  # request timings and token counts, with log_stats (engine/metrics.py)
+        if config.log_stats:
+            from nanovllm.engine.metrics import Stats
+            self.stats = Stats()
 
     def shutdown(self):
         """Stop the tensor-parallel workers and free the model, its KV cache and the rendezvous
@@ -81,6 +85,8 @@ class LLMEngine:
         seq.request_id = seq.seq_id if request_id is None else request_id
         self.requests[seq.request_id] = seq
         self.scheduler.waiting.append(seq)
+        if self.stats is not None:
+            self.stats.arrived(seq)
         return seq.request_id
 
     def abort_request(self, request_id: int | str) -> bool:
@@ -91,49 +97,45 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration: a RequestOutput for each request that got new tokens (its text and tokens
-        so far, or only the new ones with output_kind="delta", or only at its end with "final").
-
-        The engine runs one step ahead: it launches a step before it reads the tokens of the step
-        before (the new step takes them on the device), so the GPU does not wait while the host
-        schedules. Steps whose tokens the host needs at once (beam candidates, log-probabilities)
-        are read at once."""
+        so far, or only the new ones with output_kind="delta", or only at its end with "final")."""
         if self.model_runner is None:
             raise RuntimeError("the engine was shut down")
-        launched = None
-        if self.scheduler.has_unfinished():
-            batch = self.scheduler.schedule()
-            if batch.seqs or batch.swap_in or batch.swap_out:  # a step may only move blocks
-                try:
-                    launched = batch, self.model_runner.run(batch)
-                except BaseException:  # never launched: its sequences start over (requeue.py)
-                    from nanovllm.engine.requeue import requeue
-                    requeue(self.scheduler, [batch])
-                    raise
-                if self.tracer is not None:  # a launched step (one that failed is not recorded)
-                    self.tracer.on_step(batch)
-                self.output_processor.started(batch)
-        previous, self.in_flight = self.in_flight, launched
+        if self.config.async_scheduling:  # launch the next step before reading this one's tokens
+            from nanovllm.engine.run_ahead import step_ahead
+            return step_ahead(self)
         outputs, self.held = self.held, []
-        pending = [step for step in (previous, launched) if step]  # lost if a read is interrupted
-        try:
-            if previous:
-                outputs += self._read_step(*previous)
-                pending.pop(0)
-            if launched and (all(seq.is_finished for seq, _, _ in batch.sampled) or any(
-                    seq.beam_width or seq.params.logprobs is not None for seq in batch.seqs)):
-                self.in_flight = None  # read now: needed now, or needed by nobody
-                outputs += self._read_step(*launched)
-        except BaseException:  # interrupted while waiting: those tokens are lost (requeue.py)
-            from nanovllm.engine.requeue import lose
-            lose(self, [batch for batch, _ in pending], outputs)
-            raise
+        launched = self.launch()
+        if launched:
+            batch, (token_ids, logprobs) = launched
+            outputs += self.read_step(batch, token_ids.tolist(), logprobs)
         return outputs
 
-    def _read_step(self, batch: ScheduledBatch, sampled: SampledTokens) -> list[RequestOutput]:
-        """Wait for a launched step's tokens, record them, and return the requests' outputs."""
-        new_tokens = self.scheduler.update(batch, sampled.tolist(), sampled.logprobs,
+    def launch(self) -> tuple[ScheduledBatch, tuple] | None:
+        """Schedule a step and launch it on the model runner, without waiting for the GPU: the batch
+        and its (sampled token ids, log-probabilities), or None if there is nothing to run. A step
+        that fails to launch is undone: its sequences start over (requeue.py)."""
+        batch = self.scheduler.schedule() if self.scheduler.has_unfinished() else None
+        if batch is None or not (batch.seqs or batch.swap_in or batch.swap_out):
+            return None  # (a step may only move blocks)
+        try:
+            sampled = self.model_runner.run(batch)
+        except BaseException:
+            from nanovllm.engine.requeue import requeue
+            requeue(self.scheduler, [batch])
+            raise
+        if self.tracer is not None:  # a launched step (one that failed is not recorded)
+            self.tracer.on_step(batch)
+        if self.stats is not None:
+            self.stats.launched(batch)
+        return batch, sampled
+
+    def read_step(self, batch: ScheduledBatch, token_ids: list[int], logprobs: list | None):
+        """Record a launched step's sampled tokens; the requests' outputs."""
+        new_tokens = self.scheduler.update(batch, token_ids, logprobs,
                                            self.output_processor.check_stop)
         outputs = self.output_processor.outputs(new_tokens)
+        if self.stats is not None:
+            self.stats.read(new_tokens, outputs)
         for out in outputs:
             if out.finished:
                 self.requests.pop(out.request_id, None)
@@ -143,8 +145,8 @@ class LLMEngine:
         return not self.scheduler.has_unfinished() and self.in_flight is None and not self.held
 
     def get_stats(self) -> dict:
-        """Requests running, waiting and swapped out; KV blocks used and in all; the prefix cache's
-        hit rate (prompt tokens served from it); preemptions; prompt tokens computed and tokens
-        generated."""
+        """Requests running, waiting and swapped out; KV blocks used and in all; preemptions; with
+        log_stats=True also the prefix cache's hit rate (prompt tokens served from it), prompt
+        tokens admitted and tokens generated."""
         from nanovllm.engine.stats import engine_stats
         return engine_stats(self)

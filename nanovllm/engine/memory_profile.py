@@ -11,7 +11,7 @@ import torch
 
 from nanovllm.engine.sequence import Sequence, num_blocks_for
 from nanovllm.engine.step_inputs import StepInputs
-from nanovllm.layers.sampler import sample
+from nanovllm.layers.sampler import SamplingTensors, sample
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def num_blocks_that_fit(runner) -> int:
     # top-p's sort is the sampler's peak
     for params in (SamplingParams(top_p=0.9), SamplingParams()):
         rows = [(Sequence([0], params, 1), 0)] * config.max_num_seqs
-        sample(logits, runner.sampling_tensors(rows))
+        sample(logits, SamplingTensors.of(rows, config.hf_config["vocab_size"], device))
     kv_cache.allocate(0)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)

@@ -4,18 +4,16 @@ It owns the model, its attention backend, the KV cache (engine/kv_cache.py) and,
 graphs (engine/cuda_graphs.py). A step crosses from the CPU side to the GPU side in two moves:
 `step_inputs` turns the scheduler's batch into plain lists and `to_tensors` into tensors on the
 device (engine/step_inputs.py); `execute` runs the model (or replays a graph) and returns the logits
-of the rows that sample. `run` (rank 0) also samples, and returns before the GPU is done
-(engine/run_ahead.py).
+of the rows that sample. `run` (rank 0) also picks the next tokens (argmax for greedy rows, else
+nanovllm/layers/sampler.py), and returns before the GPU is done.
 """
 import torch
 
 from nanovllm.attention import get_backend
 from nanovllm.engine.kv_cache import CPU_KVCACHE_BYTES, KVCache
-from nanovllm.engine.run_ahead import SampledTokens, fill_placeholders
 from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.engine.sequence import Sequence, num_blocks_for
+from nanovllm.engine.sequence import num_blocks_for
 from nanovllm.engine.step_inputs import StepInputs, step_inputs, to_tensors
-from nanovllm.layers.sampler import SamplingTensors, sample
 from nanovllm.models import model_class
 from nanovllm.utils.loader import load_model
 
@@ -94,17 +92,18 @@ class ModelRunner:
         return step_inputs(batch, self.block_size)
 
     def fill_placeholders(self, input_ids: torch.Tensor):
-        """Put the tokens the last step sampled in place of their placeholders."""
+        """Put the tokens the last step sampled in place of their placeholders (run_ahead.py)."""
+        from nanovllm.engine.run_ahead import fill_placeholders
         fill_placeholders(input_ids, self.last_tokens)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> SampledTokens:
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list | None]:
         """Launch one step of the batch and its sampling, without waiting for the GPU: the next
         token of each sample row (a row per sampling sequence, n rows for the prompt of a new
         n-sample request) and, when asked, their log-probabilities (which do wait)."""
         logits = self.execute(self.step_inputs(batch))
         if not batch.seqs:  # only block moves: nothing sampled, the last step's tokens stay
-            return SampledTokens(torch.empty(0, dtype=torch.int64), None)
+            return torch.empty(0, dtype=torch.int64), None
         rows = [(seq, seq.sample_index + j)
                 for seq, k in zip(batch.seqs, batch.num_samples) for j in range(k)]
         scores = logits
@@ -112,25 +111,15 @@ class ModelRunner:
             from nanovllm.layers import penalties
             positions = [p for _, _, p in batch.sampled]
             scores = penalties.apply(logits, rows, positions, self.eos_token_ids, self.last_tokens)
-        self.last_tokens = token_ids = sample(scores, self.sampling_tensors(rows))
+        if all(seq.params.greedy for seq, _ in rows):
+            token_ids = scores.argmax(-1)
+        else:  # temperature, seeds, top-k, top-p, min-p
+            from nanovllm.layers.sampler import SamplingTensors, sample
+            vocab_size = self.config.hf_config["vocab_size"]
+            token_ids = sample(scores, SamplingTensors.of(rows, vocab_size, self.device))
+        self.last_tokens = token_ids
         top = None
         if any(seq.params.logprobs is not None for seq, _ in rows):
             from nanovllm.layers.logprobs import logprobs
             top = logprobs(logits, token_ids, [seq.params.logprobs for seq, _ in rows])
-        return SampledTokens(token_ids, top)
-
-    def sampling_tensors(self, rows: list[tuple[Sequence, int]]) -> SamplingTensors:
-        """Per-row settings of (sequence, sample index) rows; truncation only where some row
-        asks."""
-        params = [seq.params for seq, _ in rows]
-        temperatures = [0.0 if p.greedy else p.temperature for p in params]
-        pinned = torch.tensor(temperatures, dtype=torch.float32, pin_memory=self.pin)
-        truncation = None
-        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
-            from nanovllm.layers.truncation import Truncation
-            truncation = Truncation.of(params, self.config.hf_config["vocab_size"], self.device)
-        seeds = [(i, hash((p.seed, k, len(seq))) & (2**63 - 1))  # ints: the same in every process
-                 for i, (p, (seq, k)) in enumerate(zip(params, rows))
-                 if p.seed is not None and not p.greedy]
-        return SamplingTensors(pinned.to(self.device, non_blocking=True), seeds,
-                               all(t == 0 for t in temperatures), truncation)
+        return token_ids, top

@@ -6,7 +6,6 @@ it goes (nanovllm/engine/streaming.py).
 """
 import json
 import os
-import time
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.outputs import CompletionOutput, RequestOutput
@@ -26,35 +25,13 @@ class OutputProcessor:
     def __init__(self, config, tokenizer):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids(config.model, config.hf_config, tokenizer)
-        self.num_prompt_tokens = self.num_cached_tokens = self.num_generation_tokens = 0  # so far
-
-    def started(self, batch):
-        """Note the requests that a step schedules for the first time."""
-        for seq in batch.seqs:
-            if seq.metrics is not None and seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = time.monotonic()
-                self.num_prompt_tokens += seq.num_prompt_tokens
-                self.num_cached_tokens += seq.num_cached_tokens
 
     def outputs(self, new_tokens: list[tuple[Sequence, int]]) -> list[RequestOutput]:
         """The outputs of the requests that got new tokens (those that report at each step, or
         ended)."""
-        self.num_generation_tokens += len(new_tokens)
-        now, roots = time.monotonic(), {}
-        for seq, _ in new_tokens:
-            roots[id(seq.group)] = root = seq.group[0]
-            if seq is root:  # the request's timings follow its first sample
-                root.metrics.first_token_time = root.metrics.first_token_time or now
-                root.metrics.last_token_time = now
-                root.metrics.num_output_tokens += 1
-        outputs = []
-        for root in roots.values():
-            finished = all(seq.is_finished for seq in root.group)
-            if finished:
-                root.metrics.finished_time = now
-            if finished or root.params.output_kind != "final":
-                outputs.append(self.output(root))
-        return outputs
+        roots = {id(seq.group): seq.group[0] for seq, _ in new_tokens}
+        return [self.output(root) for root in roots.values()
+                if root.params.output_kind != "final" or all(s.is_finished for s in root.group)]
 
     def check_stop(self, seq: Sequence, position: int) -> bool:
         """Whether the token at `position` (the latest known one) ends the sequence."""

@@ -56,7 +56,8 @@ def abort(engine, request_id) -> bool:
     engine.scheduler.finish(live)
     # nothing more of it
     engine.held = [out for out in engine.held if out.request_id != request_id]
-    root.metrics.finished_time = time.monotonic()
+    if root.metrics is not None:
+        root.metrics.finished_time = time.monotonic()
     return True
 
 

@@ -1,18 +1,18 @@
-"""Run-ahead (vLLM's async scheduling): the engine launches step t+1 before it reads step t's
-tokens, so the GPU does not wait while the host schedules.
+"""Run-ahead (vLLM's async scheduling, `async_scheduling=True`, the default on CUDA): the engine
+launches step t+1 before it reads step t's tokens, so the GPU does not wait while the host
+schedules.
 
 A token that step t samples is unknown on the host when step t+1 is scheduled. It stands in its
-sequence as a placeholder, -(r + 1) for row r of step t's samples. Step t+1's inputs may hold
-placeholders: the model runner fills them on the device from the tokens step t left there
-(`fill_placeholders`). When the engine reads step t's tokens (`SampledTokens`), the scheduler puts
-them in place of the placeholders. A sequence that ended at step t has wasted one token of step t+1.
+sequence as a placeholder, -(r + 1) for row r of step t's samples (`placeholder` in
+nanovllm/engine/sequence.py). Step t+1's inputs may hold placeholders: the model runner fills them
+on the device from the tokens step t left there (`fill_placeholders`). When the engine reads step
+t's tokens (`SampledTokens`), the scheduler puts them in place of the placeholders. A sequence that
+ended at step t has wasted one token of step t+1. Steps whose tokens the host needs at once (beam
+candidates, log-probabilities) are read at once.
 """
 import torch
 
-
-def placeholder(row: int) -> int:
-    """What stands for the token sampled at row `row` of the step in flight."""
-    return -(row + 1)
+from nanovllm.engine.requeue import lose
 
 
 def fill_placeholders(input_ids: torch.Tensor, last_tokens: torch.Tensor):
@@ -38,3 +38,35 @@ class SampledTokens:
         if self.ready is not None:
             self.ready.synchronize()  # waits for that step only, not for one launched after it
         return self.host.tolist()
+
+
+def step_ahead(engine) -> list:
+    """LLMEngine.step with run-ahead: launch the next step, then read the one launched before."""
+    launched = engine.launch()
+    if launched:
+        launched = launched[0], SampledTokens(*launched[1])
+    previous, engine.in_flight = engine.in_flight, launched
+    outputs, engine.held = engine.held, []
+    pending = [step for step in (previous, launched) if step]  # lost if a read is interrupted
+    try:
+        if previous:
+            outputs += read(engine, *previous)
+            pending.pop(0)
+        if launched and read_now(launched[0]):
+            engine.in_flight = None
+            outputs += read(engine, *launched)
+    except BaseException:  # interrupted while waiting: those tokens are lost (requeue.py)
+        lose(engine, [batch for batch, _ in pending], outputs)
+        raise
+    return outputs
+
+
+def read(engine, batch, sampled: SampledTokens) -> list:
+    return engine.read_step(batch, sampled.tolist(), sampled.logprobs)
+
+
+def read_now(batch) -> bool:
+    """Whether a step's tokens are needed now (beam candidates, log-probabilities) or by nobody
+    (all its sequences ended at the step before): no step will take them on the device."""
+    return all(seq.is_finished for seq, _, _ in batch.sampled) or any(
+        seq.beam_width or seq.params.logprobs is not None for seq in batch.seqs)

@@ -14,8 +14,8 @@ preempted: its blocks are freed and it goes back to the front of the waiting que
 (its prefix may still be in the cache), or with preemption_mode="swap" its blocks move to a CPU pool
 (nanovllm/engine/swap.py). The block copies a step needs travel in its batch to the model runner.
 
-`schedule` records each step's progress at once, with a placeholder for every token it samples (the
-engine launches the step before the tokens of the step before are known:
+`schedule` records each step's progress at once, with a placeholder for every token it samples (with
+async_scheduling the engine launches a step before the tokens of the step before are known:
 nanovllm/engine/run_ahead.py); `update` puts the tokens in place when they arrive and frees the
 sequences that end.
 """
@@ -23,8 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.run_ahead import placeholder
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import Sequence, SequenceStatus, placeholder
 
 
 @dataclass

@@ -2,8 +2,10 @@
 map of PagedAttention, the vLLM paper's section 4.2).
 
 A request with several outputs (parallel samples, or the beams of a beam search) is a *group* of
-sequences that share KV blocks (nanovllm/engine/sharing.py). A token sampled by a step that is still
-on the GPU stands as a placeholder in `token_ids` (nanovllm/engine/run_ahead.py).
+sequences that share KV blocks (nanovllm/engine/sharing.py). A token that a step samples stands in
+`token_ids` as a placeholder until the engine reads the step's tokens: `placeholder(row)` for row
+`row` of the step's samples (with async_scheduling the next step is launched meanwhile and fills
+them on the device: nanovllm/engine/run_ahead.py).
 """
 from enum import Enum, auto
 from itertools import count
@@ -16,6 +18,11 @@ class SequenceStatus(Enum):
     RUNNING = auto()
     SWAPPED = auto()   # its blocks sit in the CPU pool (nanovllm/engine/swap.py)
     FINISHED = auto()
+
+
+def placeholder(row: int) -> int:
+    """What stands for the token sampled at row `row` of a step not read yet."""
+    return -(row + 1)
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:

@@ -1,5 +1,5 @@
-"""Sampling the next token: greedy, temperature, per-request seeds (truncation:
-layers/truncation.py).
+"""Sampling the next token: temperature, per-request seeds (truncation: layers/truncation.py); a
+batch of greedy rows takes the argmax in the model runner and never comes here.
 
 Sampling draws argmax(p / q) with q ~ Exponential(1), which picks token i with probability p_i (the
 Gumbel-max trick in another form) and needs no multinomial. In logarithms that is argmax(logits / T
@@ -20,6 +20,22 @@ class SamplingTensors:
     seeds: list[tuple[int, int]]   # (row, seed for this step) of the seeded rows
     all_greedy: bool
     truncation: object = None      # top-k / top-p / min-p, if a row asks (layers/truncation.py)
+
+    @classmethod
+    def of(cls, rows: list, vocab_size: int, device: torch.device) -> "SamplingTensors":
+        """The settings of (sequence, sample index) rows; truncation only where some row asks."""
+        params = [seq.params for seq, _ in rows]
+        temperatures = [0.0 if p.greedy else p.temperature for p in params]
+        pinned = torch.tensor(temperatures, dtype=torch.float32, pin_memory=device.type == "cuda")
+        truncation = None
+        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+            from nanovllm.layers.truncation import Truncation
+            truncation = Truncation.of(params, vocab_size, device)
+        seeds = [(i, hash((p.seed, k, len(seq))) & (2**63 - 1))  # ints: the same in every process
+                 for i, (p, (seq, k)) in enumerate(zip(params, rows))
+                 if p.seed is not None and not p.greedy]
+        return cls(pinned.to(device, non_blocking=True), seeds, all(t == 0 for t in temperatures),
+                   truncation)
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

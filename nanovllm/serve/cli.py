@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
               "machine can use the model. Pass --api-key KEY (or set NANOVLLM_API_KEY), or bind "
               "127.0.0.1.", file=sys.stderr, flush=True)
     from nanovllm import LLM
-    llm = LLM(args.model, **engine_options(args))
+    llm = LLM(args.model, **{"log_stats": True, **engine_options(args)})  # /v1/stats counts tokens
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     try:
         stats = asyncio.run(serve(llm, args, api_key, name))
