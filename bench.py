@@ -84,13 +84,14 @@ def decode_throughput(llm: LLM, batch: int, length: int) -> float:
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=length, output_kind="final")
     for _ in range(batch):
         llm.add_request([randint(0, 10000) for _ in range(length)], params)
-    base = llm.output_processor.num_generation_tokens
-    while llm.output_processor.num_generation_tokens - base < batch:  # prefill (every request's first token)
+    counts = llm.stats  # the engine's token counts (log_stats=True)
+    base = counts.num_generation_tokens
+    while counts.num_generation_tokens - base < batch:  # prefill (every request's first token)
         llm.step()
-    start, first = time.perf_counter(), llm.output_processor.num_generation_tokens
+    start, first = time.perf_counter(), counts.num_generation_tokens
     while not llm.is_finished():
         llm.step()
-    return (llm.output_processor.num_generation_tokens - first) / (time.perf_counter() - start)
+    return (counts.num_generation_tokens - first) / (time.perf_counter() - start)
 
 
 def print_kv_cache(llm, name: str):
@@ -167,7 +168,8 @@ def main():
             print_cascade(llm, name)
             rows.append(f"| {name} | {tokens} | {seconds:.2f} | {tokens / seconds:,.0f} |")
         else:
-            grid = dict(max_model_len=2 * max(args.lengths), max_num_seqs=max(args.batches))
+            grid = dict(max_model_len=2 * max(args.lengths), max_num_seqs=max(args.batches),
+                        log_stats=True)
             llm = make_llm(args, backend, kv_dtype, **grid)
             cells = []
             for length in args.lengths:
