@@ -26,7 +26,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing nanovllm
-from nanovllm.attention import QUERY_TILE, query_tiles  # noqa: E402
+from nanovllm.kernels.prefill import QUERY_TILE, query_tiles  # noqa: E402
 from nanovllm.attention.fp8 import quantize  # noqa: E402
 from nanovllm.kernels import decode_attention, num_decode_splits, prefill_attention  # noqa: E402
 from nanovllm.kernels.decode import decode_scratch  # noqa: E402

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import nanovllm.kernels.decode as decode_mod  # noqa: E402
 import nanovllm.kernels.prefill as prefill_mod  # noqa: E402
 from bench_kernels import bench_graph, make_pool  # noqa: E402
-from nanovllm.attention import QUERY_TILE, query_tiles  # noqa: E402
+from nanovllm.kernels.prefill import QUERY_TILE, query_tiles  # noqa: E402
 from nanovllm.attention.fp8 import quantize  # noqa: E402
 from nanovllm.kernels.decode import decode_scratch, num_decode_splits  # noqa: E402
 

@@ -37,7 +37,7 @@ def measure(llm: LLM, run) -> tuple[int, int]:
     def counting_step():
         nonlocal shared, private
         out = step()
-        shared += llm.block_manager.num_blocks - llm.block_manager.num_free_blocks
+        shared += len(llm.block_manager.blocks) - llm.block_manager.num_free_blocks
         private += sum(len(seq.block_table) for seq in llm.scheduler.running)
         return out
     llm.step = counting_step  # beam_search and generate both call self.step()

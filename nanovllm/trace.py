@@ -90,7 +90,7 @@ class Trace:
         self.state = EngineState(self.engine)
         self.data = {
             "format": "nanovllm-trace", "version": 1,
-            "num_blocks": self.engine.block_manager.num_blocks,
+            "num_blocks": len(self.engine.block_manager.blocks),
             "block_size": config.kvcache_block_size,
             "num_cpu_blocks": len(swap.cpu_ref_counts) if swap else 0,
             "preemption_mode": config.preemption_mode, "model": str(config.model),

@@ -57,7 +57,7 @@ def test_beams_equal_transformers_beam_search(vocab32, beam_width, length_penalt
             n = len(b["token_ids"])
             assert b["score"] == pytest.approx(b["cumulative_logprob"] / n ** length_penalty)
             assert (b["finish_reason"] == "stop") == (b["token_ids"][-1] == EOS)
-    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    assert llm.block_manager.num_free_blocks == len(llm.block_manager.blocks)
     assert not llm.scheduler.has_unfinished()
 
 
@@ -84,7 +84,7 @@ def test_wide_beam_finds_the_exact_top_w_of_all_continuations(tmp_path):
     best = cum.topk(width)
     assert [b["token_ids"] for b in beams] == tails[best.indices].tolist()
     assert [b["cumulative_logprob"] for b in beams] == pytest.approx(best.values.tolist(), abs=1e-4)
-    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    assert llm.block_manager.num_free_blocks == len(llm.block_manager.blocks)
 
 
 def test_beam_width_one_is_greedy(tmp_path):
@@ -105,7 +105,7 @@ def test_beams_share_the_prompt_blocks(vocab32):
 
     def recording():
         batch = schedule()
-        peak[0] = max(peak[0], llm.block_manager.num_blocks - llm.block_manager.num_free_blocks)
+        peak[0] = max(peak[0], len(llm.block_manager.blocks) - llm.block_manager.num_free_blocks)
         if batch.num_decodes == len(batch.seqs):
             live = [s for s in llm.scheduler.running if s.beam_width]
             assert all(llm.block_manager.blocks[b].ref_count == len(live) for b in live[0].block_table[:4])
@@ -116,7 +116,7 @@ def test_beams_share_the_prompt_blocks(vocab32):
     finally:
         del llm.scheduler.schedule
     assert peak[0] <= 4 + 4 * 1  # the prompt's blocks once, one block of generated tokens per beam
-    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    assert llm.block_manager.num_free_blocks == len(llm.block_manager.blocks)
 
 
 @pytest.mark.parametrize("beam_width", [0, -1, 1.5])

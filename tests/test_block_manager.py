@@ -75,12 +75,12 @@ def test_append_blocks_grows_the_table_at_block_boundaries():
     bm.allocate(seq)
     compute(bm, seq)
     assert bm.num_blocks_to_append([seq]) == 0
-    seq.append_token(99)  # token 4 starts block 1
+    seq.token_ids.append(99)  # token 4 starts block 1
     assert bm.num_blocks_to_append([seq]) == 1
     bm.append_blocks(seq)
     assert len(seq.block_table) == 2 and bm.num_blocks_to_append([seq]) == 0
     for t in range(3):
-        seq.append_token(t)
+        seq.token_ids.append(t)
         assert bm.num_blocks_to_append([seq]) == 0  # tokens 5..7 fit in block 1
 
 
@@ -159,7 +159,7 @@ def test_decoded_blocks_are_registered():
     seq = seq_of(range(3))
     bm.allocate(seq)
     compute(bm, seq)
-    seq.append_token(3)
+    seq.token_ids.append(3)
     compute(bm, seq)  # the decode step computed token 3: block 0 is full now
     assert seq.num_hashed_blocks == 1
     other = seq_of([0, 1, 2, 3, 7])

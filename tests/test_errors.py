@@ -24,7 +24,7 @@ def france(llm) -> list[int]:
 
 def assert_serves(llm, france):
     assert llm.is_finished() and not llm.scheduler.waiting
-    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks  # nothing held
+    assert llm.block_manager.num_free_blocks == len(llm.block_manager.blocks)  # nothing held
     out, = llm.generate([france], GREEDY, use_tqdm=False)
     assert out["text"] == FRANCE_ANSWER and out["finish_reason"] == "stop"
 

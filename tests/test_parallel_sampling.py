@@ -55,7 +55,7 @@ def test_copy_on_write_copies_a_shared_partial_block_once_per_extra_writer():
     child = fork(parent, bm)
     shared = parent.block_table[2]
     for seq, token in ((parent, 100), (child, 200)):
-        seq.append_token(token)  # both write token 10 into the shared block 2
+        seq.token_ids.append(token)  # both write token 10 into the shared block 2
     assert bm.num_blocks_to_append([parent, child]) == 1  # the last writer keeps the block
     assert bm.append_blocks(child) == [(shared, child.block_table[2])]
     assert child.block_table[:2] == parent.block_table[:2] and child.block_table[2] != shared
@@ -68,7 +68,7 @@ def test_a_full_shared_block_is_never_copied():
     bm = BlockManager(10, BS)
     parent = computed(bm, list(range(8)))  # exactly 2 full blocks
     child = fork(parent, bm)
-    child.append_token(1)
+    child.token_ids.append(1)
     assert bm.num_blocks_to_append([child]) == 1 and bm.append_blocks(child) == []  # a new block, no copy
     assert child.block_table[:2] == parent.block_table
 
@@ -166,7 +166,7 @@ def test_requests_that_cannot_fit_are_refused_with_the_reason(model):
         llm.generate([[1, 2]], SamplingParams(logprobs=301), use_tqdm=False)
     with pytest.raises(ValueError, match="max_num_seqs"):
         llm.generate([[1, 2]], SamplingParams(n=llm.config.max_num_seqs + 1), use_tqdm=False)
-    blocks = llm.block_manager.num_blocks
+    blocks = len(llm.block_manager.blocks)
     with pytest.raises(ValueError, match="KV-cache blocks"):  # n copies of its longest state must fit
         llm.generate([[1, 2]], SamplingParams(n=blocks // 2 + 1, max_tokens=2 * BLOCK_SIZE - 2), use_tqdm=False)
     assert llm.generate([[1, 2]], SamplingParams(n=2, max_tokens=3), use_tqdm=False)[0]["outputs"]

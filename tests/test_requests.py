@@ -195,7 +195,7 @@ def test_stream_class_on_an_emoji_split_over_tokens(llm):
     seq = Sequence([1, 2, 3], SamplingParams(output_kind="delta", max_tokens=len(tokens)), 16)
     stream, pieces = Stream(decode), []
     for i, token in enumerate(tokens):
-        seq.append_token(token)
+        seq.token_ids.append(token)
         final = decode(seq.completion_token_ids) if i == len(tokens) - 1 else None
         piece, new_tokens, before = stream.report(seq, final)
         assert new_tokens == [token] and before == i

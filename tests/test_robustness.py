@@ -41,7 +41,7 @@ def copy_checkpoint(src: str, dst, **config_changes) -> str:
 def assert_empty(llm):
     """Nothing queued, nothing held: every KV block (and CPU block) is free."""
     assert not llm.requests and not llm.scheduler.has_unfinished()
-    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    assert llm.block_manager.num_free_blocks == len(llm.block_manager.blocks)
     swap = llm.scheduler.swap
     if swap is not None:
         assert not any(swap.cpu_ref_counts)
@@ -158,9 +158,9 @@ def test_abort_waiting_and_running_requests_frees_their_blocks(tiny_path, tiny):
     for _ in range(3):
         llm.step()
     assert len(llm.scheduler.running) == 2 and llm.in_flight is not None
-    assert llm.block_manager.num_free_blocks < llm.block_manager.num_blocks
+    assert llm.block_manager.num_free_blocks < len(llm.block_manager.blocks)
     assert llm.abort_request(b) and llm.abort_request(c)  # running, a step of theirs in flight
-    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks  # at once
+    assert llm.block_manager.num_free_blocks == len(llm.block_manager.blocks)  # at once
     assert not llm.abort_request(b) and not llm.abort_request("no-such-request")
     assert drain(llm) == []  # the step in flight reports nothing for aborted requests
     assert_empty(llm)

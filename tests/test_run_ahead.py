@@ -26,7 +26,7 @@ def run(llm, requests: list) -> tuple[dict, int]:
         for out in llm.step():
             if out.finished:
                 results[ids[out.request_id]] = [(o.token_ids, o.logprobs) for o in out.outputs]
-    assert llm.is_finished() and llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    assert llm.is_finished() and llm.block_manager.num_free_blocks == len(llm.block_manager.blocks)
     return results, steps
 
 

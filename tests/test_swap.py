@@ -109,7 +109,7 @@ def test_swap_out_and_in_keep_sharing_within_a_group():
     assert bm.allocate(parent)
     parent.num_computed_tokens = 10
     child = fork(parent, bm)
-    child.append_token(1)
+    child.token_ids.append(1)
     bm.append_blocks(child)  # copy-on-write: the child owns its own block 2
     group = [parent, child]
     gpu_tables = [list(s.block_table) for s in group]

@@ -22,7 +22,8 @@ if not torch.cuda.is_available() and isinstance(tl.max, JITFunction):  # triton 
     pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (by a conftest?): run with "
                 "TRITON_INTERPRET=1 in the environment", allow_module_level=True)
 
-from nanovllm.attention import QUERY_TILE, AttentionMetadata, query_tiles  # noqa: E402
+from nanovllm.attention import AttentionMetadata  # noqa: E402
+from nanovllm.kernels.prefill import QUERY_TILE, query_tiles  # noqa: E402
 from nanovllm.attention.paged_attention import store_kv  # noqa: E402
 from nanovllm.attention.triton import TritonBackend  # noqa: E402
 from nanovllm.kernels import decode_attention, num_decode_splits, prefill_attention, rope_store  # noqa: E402

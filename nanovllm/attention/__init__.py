@@ -12,9 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-QUERY_TILE = 64  # queries per program of a prefill kernel (query_tiles counts in these)
-
-
 @dataclass
 class AttentionMetadata:
     """What attention needs to know about one forward pass (built by the model runner)."""
@@ -23,20 +20,11 @@ class AttentionMetadata:
     cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int32: the same over keys (flash-attn's varlen)
     context_lens: torch.Tensor  # [num_seqs] int32: keys per sequence after this step (cached + new)
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32: block ids, padded with 0
-    query_tiles: torch.Tensor   # [num_tiles, 2] int32: (sequence, tile) of the prefill chunks
     num_decodes: int            # leading sequences with one new token (a graph: the rows it runs)
     cu_seqlens_q_host: list[int]  # the same numbers on the host, for backends that loop
     context_lens_host: list[int]
+    query_tiles: torch.Tensor | None = None  # [num_tiles, 2] int32 (triton's prefill: its tiles)
     cascade: object = None  # a plan reading shared prefixes once (attention/cascade.py)
-
-
-
-def query_tiles(cu_seqlens_q: list[int], first: int) -> list[int]:
-    """(sequence, tile) pairs, flattened, of the sequences from `first` on: QUERY_TILE queries each,
-    the last tile of a sequence first (it sees the most keys, so it starts first)."""
-    return [x for s in range(first, len(cu_seqlens_q) - 1)
-            for t in reversed(range(-(-(cu_seqlens_q[s + 1] - cu_seqlens_q[s]) // QUERY_TILE)))
-            for x in (s, t)]
 
 
 class AttentionBackend:

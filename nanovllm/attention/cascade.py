@@ -137,7 +137,7 @@ class Cascade:
         return twin
 
     def upload(self, values: list[int], runner, into: torch.Tensor | None = None) -> torch.Tensor:
-        pinned = torch.tensor(values, dtype=torch.int32, pin_memory=runner.pin)
+        pinned = torch.tensor(values, dtype=torch.int32, pin_memory=runner.device.type == "cuda")
         if into is None:
             return pinned.to(runner.device, non_blocking=True)
         return into.copy_(pinned, non_blocking=True)

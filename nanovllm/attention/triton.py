@@ -11,9 +11,10 @@ import os
 
 import torch
 
-from nanovllm.attention import QUERY_TILE, AttentionBackend, AttentionMetadata
+from nanovllm.attention import AttentionBackend, AttentionMetadata
 from nanovllm.kernels import decode_attention, num_decode_splits, prefill_attention
 from nanovllm.kernels.decode import decode_scratch
+from nanovllm.kernels.prefill import QUERY_TILE, query_tiles
 
 CPU_NUM_SMS = 4  # the interpreter has no SMs; a few keeps split-KV in play in CPU tests
 
@@ -56,6 +57,9 @@ class TritonBackend(AttentionBackend):
             decode_attention(q, k_cache, v_cache, meta.cu_seqlens_q[:d + 1], meta.context_lens[:d],
                              meta.block_tables[:d], self.scale, splits, self.scratch, out,
                              self.k_scale, self.v_scale)
+        if meta.query_tiles is None:  # eager: list them once per step (a graph uploads them)
+            tiles = query_tiles(meta.cu_seqlens_q_host, d)
+            meta.query_tiles = torch.tensor(tiles, dtype=torch.int32, device=q.device).view(-1, 2)
         if meta.query_tiles.shape[0]:
             prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
                               meta.block_tables, meta.query_tiles, QUERY_TILE, self.scale, out,

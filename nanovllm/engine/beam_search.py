@@ -75,7 +75,8 @@ class BeamSearch:
             forks = [fork(beam, scheduler.block_manager) for _ in tokens[1:]]
             scheduler.running.extend(forks)
             for seq, token in zip([beam] + forks, tokens):
-                seq.append_token(token, candidates)
+                seq.token_ids.append(token)
+                seq.set_token(len(seq) - 1, token, candidates)
                 self.beams.append(seq)
         scheduler.finish([beam for beam, tokens in chosen.items() if not tokens])
         if len(self.finished) == w and self.beams and self._cannot_improve(length):

@@ -41,10 +41,6 @@ class BlockManager:
         self._content_ids = count()
 
     @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
-    @property
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
 

@@ -21,8 +21,10 @@ from itertools import accumulate
 
 import torch
 
-from nanovllm.attention import QUERY_TILE, AttentionMetadata, query_tiles
+from nanovllm.attention import AttentionMetadata
+from nanovllm.engine.sequence import num_blocks_for
 from nanovllm.engine.step_inputs import StepInputs
+from nanovllm.kernels.prefill import QUERY_TILE, query_tiles
 
 
 def step_sizes(step: StepInputs) -> tuple[int, int, int, int]:
@@ -66,8 +68,8 @@ def unpack(flat: torch.Tensor, layout: tuple, lengths: tuple, num_decodes: int,
     n, num_seqs, num_tiles, width = lengths
     meta = AttentionMetadata(slots[:n], cu_q[:num_seqs + 1], cu_k[:num_seqs + 1], lens[:num_seqs],
                              tables[:num_seqs * layout[3]].view(num_seqs, layout[3])[:, :width],
-                             tiles[:2 * num_tiles].view(-1, 2), num_decodes,
-                             step.cu_seqlens_q if step else [], step.context_lens if step else [])
+                             num_decodes, step.cu_seqlens_q if step else [],
+                             step.context_lens if step else [], tiles[:2 * num_tiles].view(-1, 2))
     return ids[:n], positions[:n], meta
 
 
@@ -160,8 +162,9 @@ class CUDAGraphs:
         start, memory = time.perf_counter(), torch.cuda.memory_reserved(runner.device)
         shapes = ([("mixed", t) for t in self.token_sizes]
                   + [("decode", s) for s in self.decode_sizes])
+        max_blocks = num_blocks_for(config.max_model_len, config.kvcache_block_size)  # per table
         for kind, size in sorted(shapes, key=lambda shape: -shape[1]):
-            sizes = self.sizes(kind, size, max_seqs, runner.max_blocks)
+            sizes = self.sizes(kind, size, max_seqs, max_blocks)
             # the step's fields at fixed addresses, then room for its sampled rows (upload)
             inputs = torch.zeros(sum(field_sizes(*sizes)) + max_seqs, dtype=torch.int32,
                                  device=runner.device)

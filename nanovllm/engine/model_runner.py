@@ -12,7 +12,6 @@ import torch
 from nanovllm.attention import get_backend
 from nanovllm.engine.kv_cache import CPU_KVCACHE_BYTES, KVCache
 from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.engine.sequence import num_blocks_for
 from nanovllm.engine.step_inputs import StepInputs, step_inputs, to_tensors
 from nanovllm.models import model_class
 from nanovllm.utils.loader import load_model
@@ -24,10 +23,8 @@ class ModelRunner:
         one shard per rank: TPModelRunner, nanovllm/engine/distributed.py.)"""
         self.config = config
         self.device = device or torch.device("cuda:0" if config.device == "cuda" else "cpu")
-        self.pin = self.device.type == "cuda"  # host buffers pinned: copies that do not wait
-        if self.pin:
+        if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.block_size = config.kvcache_block_size
         cfg = config.hf_config
         self.backend = get_backend(config.attn_backend)(*self.heads(), cfg["head_dim"], config)
         torch.manual_seed(config.seed)
@@ -41,7 +38,6 @@ class ModelRunner:
             init_dummy(self.model, config.seed)
         else:
             load_model(self.model, config.model)
-        self.max_blocks = num_blocks_for(config.max_model_len, self.block_size)
         self.last_tokens = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.eos_token_ids: set[int] = set()  # the engine's, for min_tokens
         self.swap_space = self.graphs = None
@@ -89,7 +85,7 @@ class ModelRunner:
         return self.model.compute_logits(self.model(input_ids, positions, meta)[sample_rows])
 
     def step_inputs(self, batch: ScheduledBatch) -> StepInputs:
-        return step_inputs(batch, self.block_size)
+        return step_inputs(batch, self.config.kvcache_block_size)
 
     def fill_placeholders(self, input_ids: torch.Tensor):
         """Put the tokens the last step sampled in place of their placeholders (run_ahead.py)."""
@@ -104,22 +100,12 @@ class ModelRunner:
         logits = self.execute(self.step_inputs(batch))
         if not batch.seqs:  # only block moves: nothing sampled, the last step's tokens stay
             return torch.empty(0, dtype=torch.int64), None
-        rows = [(seq, seq.sample_index + j)
-                for seq, k in zip(batch.seqs, batch.num_samples) for j in range(k)]
-        scores = logits
-        if any(seq.params.penalized for seq, _ in rows):
-            from nanovllm.layers import penalties
-            positions = [p for _, _, p in batch.sampled]
-            scores = penalties.apply(logits, rows, positions, self.eos_token_ids, self.last_tokens)
-        if all(seq.params.greedy for seq, _ in rows):
-            token_ids = scores.argmax(-1)
-        else:  # temperature, seeds, top-k, top-p, min-p
-            from nanovllm.layers.sampler import SamplingTensors, sample
-            vocab_size = self.config.hf_config["vocab_size"]
-            token_ids = sample(scores, SamplingTensors.of(rows, vocab_size, self.device))
-        self.last_tokens = token_ids
+        params = [seq.params for seq in batch.seqs]
         top = None
-        if any(seq.params.logprobs is not None for seq, _ in rows):
-            from nanovllm.layers.logprobs import logprobs
-            top = logprobs(logits, token_ids, [seq.params.logprobs for seq, _ in rows])
+        if all(p.greedy and not p.penalized and p.logprobs is None for p in params):
+            token_ids = logits.argmax(-1)
+        else:  # penalties, temperature, seeds, truncation, log-probabilities: layers/sampler.py
+            from nanovllm.layers.sampler import sample_batch
+            token_ids, top = sample_batch(logits, batch, self)
+        self.last_tokens = token_ids
         return token_ids, top

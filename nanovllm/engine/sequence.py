@@ -89,10 +89,6 @@ class Sequence:
         """The token ids stored in the sequence's i-th block."""
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
-    def append_token(self, token_id: int, logprobs: dict[int, float] | None = None):
-        self.token_ids.append(token_id)
-        self.set_token(len(self.token_ids) - 1, token_id, logprobs)
-
     def set_token(self, position: int, token_id: int, logprobs: dict[int, float] | None = None):
         """Put a sampled token where its placeholder is (nanovllm/engine/run_ahead.py)."""
         self.token_ids[position] = token_id

@@ -10,8 +10,8 @@ def engine_stats(engine) -> dict:
         "num_running": len(scheduler.running),
         "num_waiting": len(scheduler.waiting),
         "num_swapped": sum(map(len, swap.swapped)) if swap else 0,
-        "kv_blocks_used": blocks.num_blocks - blocks.num_free_blocks,
-        "kv_blocks_total": blocks.num_blocks,
+        "kv_blocks_used": len(blocks.blocks) - blocks.num_free_blocks,
+        "kv_blocks_total": len(blocks.blocks),
         "num_preemptions": scheduler.num_preemptions,  # recomputed and swapped out together
         "num_swapped_out": swap.num_swapped_out_groups if swap else 0,
     }

@@ -7,7 +7,7 @@ from itertools import accumulate
 
 import torch
 
-from nanovllm.attention import AttentionMetadata, query_tiles
+from nanovllm.attention import AttentionMetadata
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import slot_mapping
 
@@ -54,8 +54,7 @@ def to_tensors(step: StepInputs, device: torch.device):
     width = max(map(len, step.block_tables))
     tables = tensor([table + [0] * (width - len(table)) for table in step.block_tables])
     cu_k = list(accumulate(step.context_lens, initial=0))
-    tiles = tensor(query_tiles(step.cu_seqlens_q, step.num_decodes)).view(-1, 2)
     meta = AttentionMetadata(tensor(step.slot_mapping), tensor(step.cu_seqlens_q), tensor(cu_k),
-                             tensor(step.context_lens), tables, tiles, step.num_decodes,
+                             tensor(step.context_lens), tables, step.num_decodes,
                              step.cu_seqlens_q, step.context_lens)
     return tensor(step.input_ids), tensor(step.positions), meta, tensor(step.sample_rows)

@@ -21,6 +21,16 @@ import triton.language as tl
 from nanovllm.kernels.paged import kv_row_offsets, widen_config, widen_v
 
 
+QUERY_TILE = 64  # queries per program (BLOCK_M): the caller lists the tiles in these
+
+def query_tiles(cu_seqlens_q: list[int], first: int) -> list[int]:
+    """(sequence, tile) pairs, flattened, of the sequences from `first` on: QUERY_TILE queries each,
+    the last tile of a sequence first (it sees the most keys, so it starts first)."""
+    return [x for s in range(first, len(cu_seqlens_q) - 1)
+            for t in reversed(range(-(-(cu_seqlens_q[s + 1] - cu_seqlens_q[s]) // QUERY_TILE)))
+            for x in (s, t)]
+
+
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n, k_len, q_pos, qk_scale,
                  stride_kb, stride_ks, dims,

@@ -38,6 +38,27 @@ class SamplingTensors:
                    truncation)
 
 
+def sample_batch(logits: torch.Tensor, batch, runner) -> tuple[torch.Tensor, list | None]:
+    """The model runner's sampling for a batch where some request does more than take the argmax:
+    the next token of each sample row (a row per sampling sequence, n rows for the prompt of a new
+    n-sample request), after penalties (layers/penalties.py), and the log-probabilities asked for
+    (layers/logprobs.py)."""
+    rows = [(seq, seq.sample_index + j)
+            for seq, k in zip(batch.seqs, batch.num_samples) for j in range(k)]
+    scores = logits
+    if any(seq.params.penalized for seq, _ in rows):
+        from nanovllm.layers import penalties
+        positions = [p for _, _, p in batch.sampled]
+        scores = penalties.apply(logits, rows, positions, runner.eos_token_ids, runner.last_tokens)
+    vocab_size = runner.config.hf_config["vocab_size"]
+    token_ids = sample(scores, SamplingTensors.of(rows, vocab_size, logits.device))
+    top = None
+    if any(seq.params.logprobs is not None for seq, _ in rows):
+        from nanovllm.layers.logprobs import logprobs
+        top = logprobs(logits, token_ids, [seq.params.logprobs for seq, _ in rows])
+    return token_ids, top
+
+
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Next token per row of logits [B, vocab]."""
     if t.all_greedy:
