@@ -58,8 +58,7 @@ class Config:
         """Build a Config, naming any option that does not exist (a TypeError, not a silent
         drop)."""
         known = {f.name for f in fields(cls)} - {"model", "hf_config", "torch_dtype"}
-        unknown = sorted(set(options) - known)
-        if unknown:
+        if unknown := sorted(set(options) - known):
             raise TypeError(f"unknown option(s) {unknown}; allowed options: {sorted(known)}")
         return cls(model, **options)
 
@@ -101,8 +100,7 @@ def read_model_config(model: str) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
     model_class(cfg)  # a ValueError naming the supported architectures
-    missing = [key for key in REQUIRED_KEYS if not isinstance(cfg.get(key), int)]
-    if missing:
+    if missing := [key for key in REQUIRED_KEYS if not isinstance(cfg.get(key), int)]:
         raise ValueError(f"{path} lacks {missing} (integers every model config has)")
     cfg["num_key_value_heads"] = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     cfg["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]

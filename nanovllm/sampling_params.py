@@ -48,11 +48,10 @@ class SamplingParams:
     output_kind: Literal["cumulative", "delta", "final"] = "cumulative"
 
     def __post_init__(self):
-        if isinstance(self.stop, (str, tuple)):
-            self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        if isinstance(self.stop_token_ids, tuple):
-            self.stop_token_ids = list(self.stop_token_ids)
-        check_fields(self, RULES)
+        if isinstance(self.stop, str):  # one stop string
+            self.stop = [self.stop]
+        check_fields(self, RULES)  # a tuple passes for a list: it becomes one
+        self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens="
                              f"{self.max_tokens}")

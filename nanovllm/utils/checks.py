@@ -4,7 +4,8 @@ error names the field, the value and what is allowed."""
 import typing
 from dataclasses import fields
 
-KINDS = {float: (int, float), list[str]: list, list[int]: list}  # what isinstance asks of a field
+# what isinstance asks of a field: a float field takes an int, a list field a tuple
+KINDS = {float: (int, float), list[str]: (list, tuple), list[int]: (list, tuple)}
 
 
 def check_fields(obj, rules: dict):
