@@ -30,8 +30,7 @@ class InputProcessor:
         ids, or vLLM's {"prompt": string} or {"prompt_token_ids": list}."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise TypeError("sampling_params must be a SamplingParams, not "
-                            f"{type(params).__name__}")
+            raise TypeError(f"sampling_params={params!r} must be a SamplingParams")
         if isinstance(prompt, dict) and len(prompt) == 1 and prompt.keys() & PROMPT_KEYS:
             prompt = next(iter(prompt.values()))
         text = prompt if isinstance(prompt, str) else None
