@@ -3,24 +3,21 @@ import importlib.util
 import json
 import os
 from dataclasses import dataclass, fields
+from typing import Literal
 
 import torch
 
 from nanovllm.attention import BACKENDS, get_backend
 from nanovllm.models import model_class
+from nanovllm.utils.checks import check_fields
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-CHOICES = {"attn_backend": ("", *BACKENDS), "device": ("", "cuda", "cpu"),
-           "dtype": ("auto", *DTYPES), "load_format": ("safetensors", "dummy"),
-           "preemption_mode": ("recompute", "swap"),
-           "kv_reservation": (None, "oracle", "pow2", "max"), "kv_cache_dtype": ("auto", "fp8"),
-           "async_scheduling": (None, True, False)}
 AT_LEAST_ONE = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size")
-RANGES = {  # option: (test, what is allowed)
-    **{name: (lambda v: v >= 1, ">= 1") for name in AT_LEAST_ONE},
-    "kvcache_block_size": (lambda v: v >= 1 and not v & (v - 1), "a power of two"),
-    "gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "num_kvcache_blocks": (lambda v: v >= 1 or v == -1, ">= 1 (or -1: automatic)"),
+RULES = {  # option: (test, what is allowed), after the field's type (nanovllm/utils/checks.py)
+    **{name: (lambda v: v >= 1, "an integer >= 1") for name in AT_LEAST_ONE},
+    "kvcache_block_size": (lambda v: v >= 1 and not v & (v - 1), "a power of two (an int)"),
+    "gpu_memory_utilization": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "num_kvcache_blocks": (lambda v: v >= 1 or v == -1, "an integer >= 1 (or -1: automatic)"),
 }
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "max_position_embeddings")
@@ -37,16 +34,16 @@ class Config:
     num_kvcache_blocks: int = -1         # -1: from free GPU memory, or 1 GiB on CPU
     enforce_eager: bool = False          # no CUDA graphs
     async_scheduling: bool | None = None  # run ahead of the GPU (engine/run_ahead.py); None: CUDA
-    attn_backend: str = ""               # "": flash on CUDA if installed, else triton; sdpa on CPU
-    device: str = ""                     # "": cuda when present, else cpu
-    dtype: str = "auto"                  # "auto": the checkpoint's dtype on CUDA, float32 on CPU
-    load_format: str = "safetensors"     # or "dummy": random weights from config.json alone
+    attn_backend: Literal[("", *BACKENDS)] = ""  # "": flash (if installed) or triton; sdpa on CPU
+    device: Literal["", "cuda", "cpu"] = ""  # "": cuda when present, else cpu
+    dtype: Literal[("auto", *DTYPES)] = "auto"  # "auto": the checkpoint's on CUDA, float32 on CPU
+    load_format: Literal["safetensors", "dummy"] = "safetensors"  # "dummy": random weights
     enable_prefix_caching: bool = True
     prefill_first: bool = False          # True: steps that prefill run no decodes (vLLM v0's order)
-    preemption_mode: str = "recompute"   # or "swap": preempted blocks move to a CPU pool
+    preemption_mode: Literal["recompute", "swap"] = "recompute"  # "swap": blocks go to a CPU pool
     swap_space: float = 4.0              # GiB of CPU memory for swapped-out blocks
-    kv_reservation: str | None = None    # Orca's reservations, not paging: engine/reservation.py
-    kv_cache_dtype: str = "auto"         # "auto": the model's dtype; "fp8": e4m3 (attention/fp8.py)
+    kv_reservation: Literal[None, "oracle", "pow2", "max"] = None  # Orca's reservations, not paging
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # "fp8": e4m3 (attention/fp8.py)
     disable_cascade_attn: bool = False   # True: shared prefixes read per row (attention/cascade.py)
     skip_tokenizer_init: bool = False
     log_stats: bool = False              # request timings, token counts (engine/metrics.py)
@@ -61,24 +58,13 @@ class Config:
         """Build a Config, naming any option that does not exist (a TypeError, not a silent
         drop)."""
         known = {f.name for f in fields(cls)} - {"model", "hf_config", "torch_dtype"}
-        unknown = sorted(set(options) - known)
-        if unknown:
+        if unknown := sorted(set(options) - known):
             raise TypeError(f"unknown option(s) {unknown}; allowed options: {sorted(known)}")
         return cls(model, **options)
 
     def __post_init__(self):
-        for f in fields(self):
-            value, kind = getattr(self, f.name), {float: (int, float)}.get(f.type, f.type)
-            wrong = not isinstance(value, kind) or isinstance(value, bool) and f.type is not bool
-            if isinstance(kind, type | tuple) and wrong:
-                raise TypeError(f"{f.name}={value!r} must be of type {f.type.__name__}")
+        check_fields(self, RULES)
         self.hf_config = read_model_config(self.model)
-        for name, allowed in CHOICES.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
-        for name, (ok, allowed) in RANGES.items():
-            if not ok(getattr(self, name)):
-                raise ValueError(f"{name}={getattr(self, name)} must be {allowed}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu'")
         if self.preemption_mode == "swap" and not self.swap_space > 0:
@@ -92,13 +78,9 @@ class Config:
         if self.kv_cache_dtype == "fp8" and not get_backend(self.attn_backend).reads_fp8_kv_cache:
             raise ValueError(f"kv_cache_dtype='fp8' needs attn_backend 'triton' or 'sdpa', not "
                              f"{self.attn_backend!r} (flash-attn 2 has no FP8 KV cache)")
-        if self.dtype != "auto":
-            self.torch_dtype = DTYPES[self.dtype]
-        else:  # the checkpoint's on CUDA, float32 on CPU
-            name = self.hf_config.get("torch_dtype") or self.hf_config.get("dtype")
-            self.torch_dtype = DTYPES.get(name, torch.bfloat16)
-            if self.device == "cpu":
-                self.torch_dtype = torch.float32
+        checkpoint = self.hf_config.get("torch_dtype") or self.hf_config.get("dtype")
+        auto = torch.float32 if self.device == "cpu" else DTYPES.get(checkpoint, torch.bfloat16)
+        self.torch_dtype = auto if self.dtype == "auto" else DTYPES[self.dtype]
         self.max_model_len = min(self.max_model_len, self.hf_config["max_position_embeddings"])
         self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.kvcache_block_size)
         if self.tensor_parallel_size > 1:
@@ -118,8 +100,7 @@ def read_model_config(model: str) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
     model_class(cfg)  # a ValueError naming the supported architectures
-    missing = [key for key in REQUIRED_KEYS if not isinstance(cfg.get(key), int)]
-    if missing:
+    if missing := [key for key in REQUIRED_KEYS if not isinstance(cfg.get(key), int)]:
         raise ValueError(f"{path} lacks {missing} (integers every model config has)")
     cfg["num_key_value_heads"] = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     cfg["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]

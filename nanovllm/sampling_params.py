@@ -3,28 +3,25 @@ seeding, the number of parallel samples, the log-probabilities to report, and ho
 stream."""
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
-NUMBER = (int, float)
-OUTPUT_KINDS = ("cumulative", "delta", "final")
-RULES = {  # argument: (types, test, what is allowed)
-    "n": (int, lambda v: v >= 1, "an integer >= 1"),
-    "temperature": (NUMBER, lambda v: 0 <= v < math.inf, "a finite number >= 0 (0 means greedy)"),
-    "top_p": (NUMBER, lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    "top_k": (int, lambda v: v >= -1, "-1 or 0 (all tokens) or a positive integer"),
-    "min_p": (NUMBER, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-    "presence_penalty": (NUMBER, lambda v: -2 <= v <= 2, "a number in [-2, 2] (0 is off)"),
-    "frequency_penalty": (NUMBER, lambda v: -2 <= v <= 2, "a number in [-2, 2] (0 is off)"),
-    "repetition_penalty": (NUMBER, lambda v: 0 < v < math.inf, "a finite number > 0 (1 is off)"),
-    "max_tokens": (int, lambda v: v >= 1, "an integer >= 1"),
-    "min_tokens": (int, lambda v: v >= 0, "an integer >= 0"),
-    "seed": ((int, type(None)), lambda v: True, "None or an integer"),
-    "logprobs": ((int, type(None)), lambda v: v is None or v >= 0, "None or an integer >= 0"),
-    "ignore_eos": (bool, lambda v: True, "True or False"),
-    "skip_special_tokens": (bool, lambda v: True, "True or False"),
-    "output_kind": (str, lambda v: v in OUTPUT_KINDS, " or ".join(map(repr, OUTPUT_KINDS))),
-    "stop": (list, lambda v: all(isinstance(s, str) and s for s in v),
+from nanovllm.utils.checks import check_fields
+
+RULES = {  # argument: (test, what is allowed), after the field's type (nanovllm/utils/checks.py)
+    "n": (lambda v: v >= 1, "an integer >= 1"),
+    "temperature": (lambda v: 0 <= v < math.inf, "a finite number >= 0 (0 means greedy)"),
+    "top_p": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": (lambda v: v >= -1, "-1 or 0 (all tokens) or a positive integer"),
+    "min_p": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "presence_penalty": (lambda v: -2 <= v <= 2, "a number in [-2, 2] (0 is off)"),
+    "frequency_penalty": (lambda v: -2 <= v <= 2, "a number in [-2, 2] (0 is off)"),
+    "repetition_penalty": (lambda v: 0 < v < math.inf, "a finite number > 0 (1 is off)"),
+    "max_tokens": (lambda v: v >= 1, "an integer >= 1"),
+    "min_tokens": (lambda v: v >= 0, "an integer >= 0"),
+    "logprobs": (lambda v: v is None or v >= 0, "None or an integer >= 0"),
+    "stop": (lambda v: all(isinstance(s, str) and s for s in v),
              "a string or a list of non-empty strings"),
-    "stop_token_ids": (list, lambda v: all(type(t) is int and t >= 0 for t in v),
+    "stop_token_ids": (lambda v: all(type(t) is int and t >= 0 for t in v),
                        "a list of token ids >= 0"),
 }
 
@@ -47,19 +44,14 @@ class SamplingParams:
     min_tokens: int = 0             # no end-of-sequence or stop token before this many tokens
     logprobs: int | None = None     # per token: the chosen token's log-probability and the top ones
     skip_special_tokens: bool = True
-    output_kind: str = "cumulative"  # step() reports: the text so far, only what's new, or the end
+    # what step() reports: the text so far, only what is new, or only the end
+    output_kind: Literal["cumulative", "delta", "final"] = "cumulative"
 
     def __post_init__(self):
-        if isinstance(self.stop, (str, tuple)):
-            self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        if isinstance(self.stop_token_ids, tuple):
-            self.stop_token_ids = list(self.stop_token_ids)
-        for name, (types, test, allowed) in RULES.items():
-            value = getattr(self, name)
-            if not isinstance(value, types) or (isinstance(value, bool) and types is not bool):
-                raise TypeError(f"{name}={value!r} must be {allowed}")
-            if not test(value):
-                raise ValueError(f"{name}={value!r} must be {allowed}")
+        if isinstance(self.stop, str):  # one stop string
+            self.stop = [self.stop]
+        check_fields(self, RULES)  # a tuple passes for a list: it becomes one
+        self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens="
                              f"{self.max_tokens}")

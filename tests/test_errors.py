@@ -31,7 +31,7 @@ def assert_serves(llm, france):
 
 def test_empty_prompt(llm, france):
     for prompt in ([], ""):
-        with pytest.raises(ValueError, match="prompt is empty"):
+        with pytest.raises(ValueError, match="prompt has 0 tokens"):
             llm.generate([prompt], GREEDY, use_tqdm=False)
     assert_serves(llm, france)
 

@@ -47,7 +47,7 @@ def test_reservation_is_allocated_at_admission_or_not_at_all():
 
 
 def test_bad_options(tiny_path):
-    allowed = "kv_reservation='fixed' is not one of .None, 'oracle', 'pow2', 'max'."
+    allowed = "kv_reservation='fixed' must be one of .None, 'oracle', 'pow2', 'max'."
     with pytest.raises(ValueError, match=allowed):
         make_llm(tiny_path, kv_reservation="fixed")
     with pytest.raises(ValueError, match="max_model_len=256 tokens .16 blocks., but it has 10 "):

@@ -30,8 +30,7 @@ class InputProcessor:
         ids, or vLLM's {"prompt": string} or {"prompt_token_ids": list}."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise TypeError("sampling_params must be a SamplingParams, not "
-                            f"{type(params).__name__}")
+            raise TypeError(f"sampling_params={params!r} must be a SamplingParams")
         if isinstance(prompt, dict) and len(prompt) == 1 and prompt.keys() & PROMPT_KEYS:
             prompt = next(iter(prompt.values()))
         text = prompt if isinstance(prompt, str) else None
@@ -45,13 +44,10 @@ class InputProcessor:
             raise TypeError("a prompt must be a string, a list of token ids (int) or a dict with "
                             f"'prompt' or 'prompt_token_ids', not {type(prompt).__name__}")
         vocab, max_len = self.config.hf_config["vocab_size"], self.config.max_model_len
-        if not prompt:
-            raise ValueError("prompt is empty: it needs at least one token")
-        if len(prompt) >= max_len:
+        if not 0 < len(prompt) < max_len:
             raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len={max_len} leaves "
-                             f"room for prompts of at most {max_len - 1} (one for a new token)")
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
+                             f"room for prompts of 1 to {max_len - 1} (one for a new token)")
+        if bad := [t for t in prompt if not 0 <= t < vocab]:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs={params.logprobs} is more than the vocabulary size {vocab}")
@@ -64,8 +60,7 @@ class InputProcessor:
         need = width * num_blocks_for(min(len(prompt) + params.max_tokens, max_len), block_size)
         if need > self.num_kvcache_blocks:
             raise ValueError(f"the request needs {need} KV-cache blocks but the whole cache has "
-                             f"{self.num_kvcache_blocks}; lower max_tokens (or n), or enlarge the "
-                             "cache")
+                             f"{self.num_kvcache_blocks}; lower max_tokens (or n), or enlarge it")
         seq = Sequence(prompt, params, block_size, max_len)
         seq.prompt = text
         return seq

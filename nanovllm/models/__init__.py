@@ -9,8 +9,7 @@ MODELS = {
     "Qwen2ForCausalLM": partial(LlamaForCausalLM, qkv_bias=True),
     "Qwen3ForCausalLM": partial(LlamaForCausalLM, qk_norm=True),
 }
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM"}
+MODEL_TYPES = {arch.removesuffix("ForCausalLM").lower(): arch for arch in MODELS}  # "qwen2": ...
 
 
 def model_class(hf_config: dict):
@@ -19,6 +18,5 @@ def model_class(hf_config: dict):
     for arch in archs:
         if arch in MODELS:
             return MODELS[arch]
-    model_type = hf_config.get("model_type")
-    raise ValueError(f"architectures={archs} (model_type={model_type!r}) is not supported; "
-                     f"supported: {sorted(MODELS)} (model_type {sorted(MODEL_TYPES)})")
+    raise ValueError(f"architectures={archs} (model_type={hf_config.get('model_type')!r}) is not "
+                     f"supported; supported: {sorted(MODELS)} (model_type {sorted(MODEL_TYPES)})")

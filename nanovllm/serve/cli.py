@@ -18,9 +18,10 @@ import os
 import re
 import sys
 import types
+import typing
 from dataclasses import MISSING, fields
 
-from nanovllm.config import CHOICES, Config
+from nanovllm.config import Config
 
 SERVER_ONLY = {"model", "hf_config", "torch_dtype"}  # Config fields that are not flags
 log = logging.getLogger("nanovllm.serve")
@@ -42,12 +43,14 @@ def add_engine_flags(parser: argparse.ArgumentParser):
         flag = "--" + f.name.replace("_", "-")
         default = None if f.default is MISSING else f.default
         help = f"{comments.get(f.name, '')} (default: {default!r})".lstrip()
+        choices = None
         kind = f.type.__args__[0] if isinstance(f.type, types.UnionType) else f.type
+        if typing.get_origin(f.type) is typing.Literal:  # a flag of strings: None is its absence
+            choices, kind = [c for c in typing.get_args(f.type) if c is not None], str
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help,
                                default=argparse.SUPPRESS)
         else:
-            choices = [c for c in CHOICES.get(f.name, ()) if c is not None] or None
             group.add_argument(flag, type=kind, choices=choices, help=help,
                                default=argparse.SUPPRESS, dest=f.name)
 

@@ -19,7 +19,6 @@ def load_model(model: nn.Module, path: str):
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"model={path!r} has no *.safetensors files")
-    packed = getattr(model, "packed_modules", {})
     params = dict(model.named_parameters())
     loaded = set()
     for file in files:
@@ -27,23 +26,21 @@ def load_model(model: nn.Module, path: str):
             with safe_open(file, "pt", "cpu") as f:
                 for name in f.keys():
                     if "rotary_emb.inv_freq" not in name:
-                        loaded.add(load_tensor(model, params, packed, name, f.get_tensor(name)))
+                        loaded.add(load_tensor(model, params, name, f.get_tensor(name)))
         except (OSError, SafetensorError) as e:
             raise ValueError(f"{file} does not read as safetensors ({e}): truncated, or not a "
                              "checkpoint?") from None
         except ValueError as e:
             raise ValueError(f"{file}: {e}") from None
-    missing = set(params) - loaded
-    if missing:
-        more = "..." if len(missing) > 5 else ""
-        raise ValueError(f"checkpoint in {path!r} lacks {sorted(missing)[:5]}{more}")
+    if missing := sorted(set(params) - loaded):
+        raise ValueError(f"checkpoint in {path!r} lacks {len(missing)} tensors: {missing[:5]}")
 
 
-def load_tensor(model: nn.Module, params: dict, packed: dict, name: str, tensor) -> str:
+def load_tensor(model: nn.Module, params: dict, name: str, tensor) -> str:
     """Copy one checkpoint tensor into its parameter (or its shard of a packed one); the parameter's
     name."""
     target, shard = name, None
-    for ckpt, (ours, shard_id) in packed.items():
+    for ckpt, (ours, shard_id) in getattr(model, "packed_modules", {}).items():
         if f".{ckpt}." in name:
             target, shard = name.replace(f".{ckpt}.", f".{ours}."), shard_id
             break
