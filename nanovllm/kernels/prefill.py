@@ -23,6 +23,7 @@ from nanovllm.kernels.paged import kv_row_offsets, widen_config, widen_v
 
 QUERY_TILE = 64  # queries per program (BLOCK_M): the caller lists the tiles in these
 
+
 def query_tiles(cu_seqlens_q: list[int], first: int) -> list[int]:
     """(sequence, tile) pairs, flattened, of the sequences from `first` on: QUERY_TILE queries each,
     the last tile of a sequence first (it sees the most keys, so it starts first)."""
