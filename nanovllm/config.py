@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from nanovllm.attention import BACKENDS, get_backend
+from nanovllm.attention import BACKENDS
 from nanovllm.models import model_class
 from nanovllm.utils.checks import check_fields
 
@@ -18,6 +18,7 @@ RULES = {  # option: (test, what is allowed), after the field's type (nanovllm/u
     "kvcache_block_size": (lambda v: v >= 1 and not v & (v - 1), "a power of two (an int)"),
     "gpu_memory_utilization": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "num_kvcache_blocks": (lambda v: v >= 1 or v == -1, "an integer >= 1 (or -1: automatic)"),
+    "swap_space": (lambda v: v > 0, "a number > 0 (GiB)"),
 }
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "max_position_embeddings")
@@ -67,17 +68,12 @@ class Config:
         self.hf_config = read_model_config(self.model)
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu'")
-        if self.preemption_mode == "swap" and not self.swap_space > 0:
-            raise ValueError(f"swap_space={self.swap_space} must be > 0 (GiB) to swap")
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if self.async_scheduling is None:  # on CPU a step is done when it returns: nothing to gain
             self.async_scheduling = self.device == "cuda"
         if not self.attn_backend:
             flash = importlib.util.find_spec("flash_attn") is not None
             self.attn_backend = "sdpa" if self.device == "cpu" else "flash" if flash else "triton"
-        if self.kv_cache_dtype == "fp8" and not get_backend(self.attn_backend).reads_fp8_kv_cache:
-            raise ValueError(f"kv_cache_dtype='fp8' needs attn_backend 'triton' or 'sdpa', not "
-                             f"{self.attn_backend!r} (flash-attn 2 has no FP8 KV cache)")
         checkpoint = self.hf_config.get("torch_dtype") or self.hf_config.get("dtype")
         auto = torch.float32 if self.device == "cpu" else DTYPES.get(checkpoint, torch.bfloat16)
         self.torch_dtype = auto if self.dtype == "auto" else DTYPES[self.dtype]

@@ -13,10 +13,7 @@ from nanovllm.sampling_params import SamplingParams
 class LLM(LLMEngine):
     def _queue_all(self, prompts, params, output_kind: str | None = None) -> list:
         """Validate every request, then queue them all (as `output_kind` if given); their ids."""
-        prompts = [prompts] if isinstance(prompts, (str, dict)) else prompts
-        if not isinstance(prompts, (list, tuple)):
-            raise TypeError("prompts must be a string, a dict or a list of them, not "
-                            f"{type(prompts).__name__}")
+        prompts = prompts if isinstance(prompts, (list, tuple)) else [prompts]  # one prompt
         params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} "

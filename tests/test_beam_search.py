@@ -106,7 +106,7 @@ def test_beams_share_the_prompt_blocks(vocab32):
     def recording():
         batch = schedule()
         peak[0] = max(peak[0], len(llm.block_manager.blocks) - llm.block_manager.num_free_blocks)
-        if batch.num_decodes == len(batch.seqs):
+        if batch.num_new_tokens.count(1) == len(batch.seqs):
             live = [s for s in llm.scheduler.running if s.beam_width]
             assert all(llm.block_manager.blocks[b].ref_count == len(live) for b in live[0].block_table[:4])
         return batch

@@ -57,7 +57,7 @@ def record_batches(llm) -> list:
 
     def recording():
         batch = schedule()
-        has_prefill = batch.num_decodes < len(batch.seqs)
+        has_prefill = batch.num_new_tokens.count(1) < len(batch.seqs)
         batches.append((has_prefill, [s.seq_id for s in batch.seqs], list(batch.num_new_tokens)))
         return batch
     llm.scheduler.schedule = recording

@@ -582,7 +582,7 @@ DICT_OF_PROMPTS = ("a prompt must be a string, a list of token ids (int) or a di
 
 
 @pytest.mark.parametrize("prompts, message", [
-    (5, "prompts must be a string, a dict or a list of them, not int"),
+    (5, "a prompt must be a string, a list of token ids (int) or a dict with"),
     ([[True, False]], "a prompt must be a string, a list of token ids (int)"),
     ({"first": [1, 2], "second": [3, 4]}, DICT_OF_PROMPTS),
 ])

@@ -39,7 +39,7 @@ def step(sched, token=7):
 
 
 def decode_only(batch) -> bool:
-    return batch.num_decodes == len(batch.seqs)
+    return batch.num_new_tokens.count(1) == len(batch.seqs)
 
 
 def test_prefill_is_first_come_first_served():

@@ -36,7 +36,6 @@ class AttentionBackend:
     # What a CUDA graph may capture of this backend (vLLM's AttentionCGSupport): "always" (any
     # step), "decode" (steps of decodes only) or "never"; steps it cannot capture run piecewise.
     cudagraph_support = "never"
-    reads_fp8_kv_cache = False  # whether it reads kv_cache_dtype="fp8" (attention/fp8.py)
     cascade = None  # its cascade attention, if it has one (attention/cascade.py)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, config):

@@ -20,6 +20,9 @@ class FlashBackend(AttentionBackend):
     cudagraph_support = "decode"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, config):
+        if config.kv_cache_dtype == "fp8":
+            raise ValueError("kv_cache_dtype='fp8' needs attn_backend 'triton' or 'sdpa', not "
+                             "'flash' (flash-attn 2 has no FP8 KV cache)")
         if flash_attn_varlen_func is None:
             raise ValueError("attn_backend='flash' needs flash-attn: pip install -e '.[flash]' "
                              "(or pip install flash-attn), or use attn_backend='triton' "

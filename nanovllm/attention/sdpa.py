@@ -23,8 +23,6 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtyp
 
 
 class SDPABackend(AttentionBackend):
-    reads_fp8_kv_cache = True  # dequantized on gather
-
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
         d, cu = meta.num_decodes, meta.cu_seqlens_q_host

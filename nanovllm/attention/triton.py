@@ -21,7 +21,6 @@ CPU_NUM_SMS = 4  # the interpreter has no SMs; a few keeps split-KV in play in C
 
 class TritonBackend(AttentionBackend):
     cudagraph_support = "always"
-    reads_fp8_kv_cache = True  # widened in registers (attention/fp8.py)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, config):
         if config.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -53,7 +53,7 @@ class BeamSearch:
 
     def advance(self, scheduler: Scheduler):
         """One beam step: keep the best candidates, then fork, append and free."""
-        w, length = self.beam_width, self.beams[0].num_completion_tokens + 1
+        w, length = self.beam_width, len(self.beams[0].completion_token_ids) + 1
         candidates = sorted(((beam.cumulative_logprob + logprob, beam, token) for beam in self.beams
                              for token, logprob in beam.candidates.items()), key=lambda c: -c[0])
         chosen: dict[Sequence, list[int]] = {beam: [] for beam in self.beams}

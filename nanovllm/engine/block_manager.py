@@ -89,7 +89,7 @@ class BlockManager:
         seq.num_hashed_blocks = len(hits)
         # a full hit still computes the last prompt token: its logits give the first new token
         seq.num_computed_tokens = min(len(hits) * self.block_size, len(seq) - 1)
-        if seq.num_completion_tokens == 0:  # report the first admission, not a recomputation
+        if len(seq) == seq.num_prompt_tokens:  # report the first admission, not a recomputation
             seq.num_cached_tokens = seq.num_computed_tokens
         return True
 

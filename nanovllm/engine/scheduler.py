@@ -41,10 +41,6 @@ class ScheduledBatch:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
     copies: list[tuple[int, int]] = field(default_factory=list)    # copy-on-write (src, dst)
 
-    @property
-    def num_decodes(self) -> int:
-        return sum(n == 1 for n in self.num_new_tokens)
-
 
 def runnable(seq: Sequence, decodes: bool) -> bool:
     """Whether the sequence has a token to compute (with decodes=False: one that is not a decode,

@@ -78,10 +78,6 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
-    def num_completion_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 

@@ -30,8 +30,9 @@ class StepInputs:
 
 def step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
     """Each sequence's new tokens (from batch.starts), their positions and slots, its context."""
-    step = StepInputs([], [], [], [0], [], [s.block_table for s in batch.seqs], batch.num_decodes,
-                      [], batch.copies, batch.swap_in, batch.swap_out)
+    num_decodes = batch.num_new_tokens.count(1)  # the scheduler puts them first
+    step = StepInputs([], [], [], [0], [], [s.block_table for s in batch.seqs], num_decodes, [],
+                      batch.copies, batch.swap_in, batch.swap_out)
     for seq, start, n, k in zip(batch.seqs, batch.starts, batch.num_new_tokens, batch.num_samples):
         step.input_ids += seq.token_ids[start:start + n]
         step.positions += range(start, start + n)
