@@ -25,29 +25,25 @@ def test_plan_groups_rows_by_their_leading_blocks():
     bs = 16
     tables = [[1, 2, 3, 9], [1, 2, 3, 8], [1, 2, 7], [5, 6], [4, 2, 3, 10]]
     lens = [60, 50, 40, 30, 60]
-    tiles, saved = plan_tiles(tables, lens, 5, bs, members=4)
-    # rows 0-2 share blocks 1, 2 (row 2 leaves block 3); rows 3 and 4 share nothing with anyone:
-    # a tile each, with no prefix
-    assert tiles == [[0, 32, 0, 1, 2, -1], [3, 0, 3, -1, -1, -1], [4, 0, 4, -1, -1, -1]]
-    assert saved == 2 * 32
-    assert plan_tiles([[1], [2], [3]], [5, 5, 5], 3, bs, members=4) == ([], 0)  # nobody shares
+    key_starts, tiles, saved = plan_tiles(tables, lens, 5, bs, members=4)
+    # rows 0-2 share blocks 1, 2 (row 2 leaves block 3); rows 3 and 4 share nothing with anyone
+    assert tiles == [[0, 32, 0, 1, 2, -1]]
+    assert key_starts == [32, 32, 32, 0, 0] and saved == 2 * 32
 
 
 def test_plan_keeps_each_rows_newest_key_its_own():
     """A row whose context ends on a block boundary writes its newest key into its last block: that
     block is never part of the shared prefix, even where the tables agree."""
-    tiles, _ = plan_tiles([[1, 2], [1, 2]], [32, 40], 2, 16, members=4)
-    assert tiles == [[0, 16, 0, 1, -1, -1]]
-    # nothing left to share: a tile each, and nothing saved
-    assert plan_tiles([[1], [1]], [16, 16], 2, 16, members=4) == (
-        [[0, 0, 0, -1, -1, -1], [1, 0, 1, -1, -1, -1]], 0)
+    key_starts, tiles, _ = plan_tiles([[1, 2], [1, 2]], [32, 40], 2, 16, members=4)
+    assert tiles == [[0, 16, 0, 1, -1, -1]] and key_starts == [16, 16]
+    assert plan_tiles([[1], [1]], [16, 16], 2, 16, members=4)[1] == []  # nothing left to share
 
 
 def test_plan_cuts_big_groups_into_near_equal_tiles_and_skips_prefill_rows():
     tables = [[1, 2, 3]] * 11 + [[1, 2, 3]]  # the last row is a prefill chunk (not a decode)
-    tiles, saved = plan_tiles(tables, [40] * 12, 11, 16, members=4)
+    key_starts, tiles, saved = plan_tiles(tables, [40] * 12, 11, 16, members=4)
     assert [t[2:] for t in tiles] == [[0, 1, 2, -1], [3, 4, 5, 6], [7, 8, 9, 10]]
-    assert saved == (2 + 3 + 3) * 32
+    assert len(key_starts) == 11 and saved == (2 + 3 + 3) * 32
 
 
 def test_the_rule_needs_a_share_of_the_keys():
@@ -79,11 +75,11 @@ def shared_cache(groups, own_lens, shared_blocks, num_kv_heads, head_dim, block_
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (8, 1), (3, 1)])
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("num_splits", [1, 3, 9])
-def test_cascade_attention_equals_the_reference(num_heads, num_kv_heads, block_size, num_splits):
+@pytest.mark.parametrize("num_splits,prefix_splits", [(1, 1), (3, 4)])
+def test_cascade_attention_equals_the_reference(num_heads, num_kv_heads, block_size, num_splits,
+                                                prefix_splits):
     """Two groups (one larger than a tile) and a row of its own, then a prefill chunk's row and a
-    padding row that must stay unwritten. Splits cut the tiles' key lists anywhere: inside the
-    prefix, inside a member's own keys, and (9) leaving some rows no key in some splits."""
+    padding row that must stay unwritten."""
     random.seed(0)
     head_dim, shared_blocks = 64, 3
     members = members_per_tile(num_heads // num_kv_heads)
@@ -97,14 +93,15 @@ def test_cascade_attention_equals_the_reference(num_heads, num_kv_heads, block_s
     tables = torch.cat([tables[:num_rows], tables[:1], tables[-1:]])
     q_lens = [1] * num_rows + [0, 3]
     host_tables = tables.tolist()
-    tiles, saved = plan_tiles(host_tables, context_lens, num_rows, block_size, members)
-    assert len(tiles) == 4 and saved > 0  # the big group is two tiles; the last row, one
+    key_starts, tiles, saved = plan_tiles(host_tables, context_lens, num_rows, block_size, members)
+    assert len(tiles) == 3 and saved > 0  # the big group is two tiles
     q = torch.randn(sum(q_lens), num_heads, head_dim, device=DEVICE)
     cu = cu_seqlens(q_lens, DEVICE)
     out = torch.full_like(q, float("nan"))
     d = len(context_lens)  # the kernels run every row; the data says which are decodes
-    cascade_attention(q, k_cache, v_cache, cu, ints(context_lens[:d]), tables, ints(tiles),
-                      head_dim ** -0.5, num_splits, out=out)
+    key_starts += [0, 0]
+    cascade_attention(q, k_cache, v_cache, cu, ints(context_lens), tables, ints(key_starts[:d]),
+                      ints(tiles), head_dim ** -0.5, num_splits, prefix_splits, out=out)
     for i in range(num_rows):
         ref = ref_attention(q[i:i + 1], k_cache, v_cache, tables[i], context_lens[i],
                             head_dim ** -0.5)
@@ -114,14 +111,13 @@ def test_cascade_attention_equals_the_reference(num_heads, num_kv_heads, block_s
 
 
 def test_unused_tiles_write_nothing():
-    """A CUDA graph launches a fixed number of tiles: those with first row -1 are skipped (a tile
-    that ran would write its rows' outputs a second time, from its wrong prefix)."""
+    """A CUDA graph launches a fixed number of tiles: those with shared_len 0 are skipped."""
     k_cache, v_cache, tables, lens = shared_cache([[0, 1]], [5, 9], 2, 2, 64, 16)
     q = torch.randn(2, 4, 64, device=DEVICE)
-    tiles, _ = plan_tiles(tables.tolist(), lens, 2, 16, members_per_tile(2))
-    tiles += [[-1, 16, 1, 0] + [-1] * (len(tiles[0]) - 4)] * 3
+    key_starts, tiles, _ = plan_tiles(tables.tolist(), lens, 2, 16, members_per_tile(2))
+    tiles += [[0] * len(tiles[0])] * 3
     out = cascade_attention(q, k_cache, v_cache, cu_seqlens([1, 1], DEVICE), ints(lens), tables,
-                            ints(tiles), 0.125, 2)
+                            ints(key_starts), ints(tiles), 0.125, 2, 2)
     for i in range(2):
         assert rel_err(out[i:i + 1], ref_attention(q[i:i + 1], k_cache, v_cache, tables[i],
                                                    lens[i], 0.125)) < FP32_TOL
@@ -135,9 +131,9 @@ def test_cascade_reads_an_fp8_cache():
     k8, v8 = quantize(k_cache * 3, 2.0), quantize(v_cache, 0.5)
     k_ref, v_ref = dequantize(k8, torch.float32, 2.0), dequantize(v8, torch.float32, 0.5)
     q = torch.randn(3, 4, 64, device=DEVICE)
-    tiles, _ = plan_tiles(tables.tolist(), lens, 3, 16, members_per_tile(2))
+    key_starts, tiles, _ = plan_tiles(tables.tolist(), lens, 3, 16, members_per_tile(2))
     out = cascade_attention(q, k8, v8, cu_seqlens([1, 1, 1], DEVICE), ints(lens), tables,
-                            ints(tiles), 0.125, 2, k_scale=2.0, v_scale=0.5)
+                            ints(key_starts), ints(tiles), 0.125, 1, 2, k_scale=2.0, v_scale=0.5)
     for i in range(3):
         ref = ref_attention(q[i:i + 1], k_ref, v_ref, tables[i], lens[i], 0.125)
         assert rel_err(out[i:i + 1], ref) < FP32_TOL, f"row {i}"

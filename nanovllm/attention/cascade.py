@@ -6,15 +6,14 @@ the same keys there (a prefix-cache hit on a common system prompt, the samples o
 beams). Rows are grouped by their first block; a group's shared prefix is the longest run of block
 ids common to all its members, in whole blocks, and ends before every member's newest key (each
 keeps its own keys, at least the one it writes this step). A group is cut into tiles of at most
-`members_per_tile` rows; a row that shares nothing is a tile of its own (kernels/cascade.py reads
-each tile's prefix once and every member's own keys, in one launch).
+`members_per_tile` rows, each read by one program per KV head and split (kernels/cascade.py).
 
 The rule: cascade runs when the keys it saves, (members - 1) x shared_len summed over tiles, are at
 least MIN_SAVED_FRACTION of all the keys the step's decodes read; otherwise plain decode does.
 
 CUDA graphs: a decode step that uses cascade replays a twin of its decode graph, captured the first
-time it is needed, that reads the same inputs plus the tiles at a fixed address (room for one tile
-per row; unused tiles have first row -1). The triton backend alone does this; the others ignore
+time it is needed, that reads the same inputs plus the plan at fixed addresses (up to one tile per
+two rows; unused tiles have shared_len 0). The triton backend alone does this; the others ignore
 `disable_cascade_attn`.
 """
 import time
@@ -23,35 +22,37 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from nanovllm.kernels.cascade import MAX_CASCADE_SPLITS, cascade_scratch, members_per_tile
-from nanovllm.kernels.decode import decode_config
+from nanovllm.kernels.cascade import cascade_scratch, members_per_tile
+from nanovllm.kernels.decode import decode_config, num_decode_splits
 
 # of the decode keys: on an H200 at batch 256, cascade broke even between 0.25 and 0.4 of the keys
 # saved (0.89x to 1.04x), and gave 1.5x to 2x at 0.6 to 0.8 (benchmarks/cascade_kernels.py)
 MIN_SAVED_FRACTION = 0.4
-PROGRAMS_PER_SM = 4  # enough (tile, KV head, split) programs to keep every SM reading
+MAX_PREFIX_SPLITS = 16
 
 
 @dataclass
 class CascadeStep:
     """A step's plan on the device, what the triton backend reads (AttentionMetadata.cascade)."""
-    tiles: torch.Tensor  # [T, 2 + members] int32: first row (-1: unused), shared_len, member rows
-    num_splits: int      # of each tile's key list
+    key_starts: torch.Tensor  # [B] int32: per decode row, its keys read by its tile (0: none)
+    tiles: torch.Tensor       # [T, 2 + members] int32: first row, shared_len, member rows (-1)
+    num_splits: int           # of each row's own keys
+    prefix_splits: int        # of each tile's prefix
 
 
 def plan_tiles(block_tables: list[list[int]], context_lens: list[int], num_decodes: int,
-               block_size: int, members: int) -> tuple[list[list[int]], int]:
-    """(tiles [first row, shared_len, member rows...], keys saved) of the step's decode rows:
-    rows that share leading blocks in tiles of up to `members` rows, each other row a tile of its
-    own (shared_len 0); padded with -1 to `members` rows. None if no two rows share a first
-    block."""
+               block_size: int, members: int) -> tuple[list[int], list[list[int]], int]:
+    """(key_starts per decode row, tiles [first row, shared_len, member rows...], keys saved) of
+    the decode rows that share leading blocks; tiles are padded with -1 to `members` rows."""
+    key_starts, tiles, saved = [0] * num_decodes, [], 0
     if len({table[0] for table in block_tables[:num_decodes]}) == num_decodes:
-        return [], 0  # no two rows share a first block (the common case)
+        return key_starts, tiles, saved  # no two rows share a first block (the common case)
     groups: dict[int, list[int]] = {}
     for row in range(num_decodes):
         groups.setdefault(block_tables[row][0], []).append(row)
-    tiles, saved = [], 0
     for rows in groups.values():
+        if len(rows) < 2:
+            continue
         first = block_tables[rows[0]]
         # whole blocks before every member's newest key (the one it writes this step)
         n = min((context_lens[r] - 1) // block_size for r in rows)
@@ -59,8 +60,7 @@ def plan_tiles(block_tables: list[list[int]], context_lens: list[int], num_decod
             table = block_tables[r]
             if table[:n] != first[:n]:
                 n = next(i for i, (a, b) in enumerate(zip(table, first)) if a != b)
-        if len(rows) < 2 or n == 0:
-            tiles += [[r, 0, r] + [-1] * (members - 1) for r in rows]
+        if n == 0:
             continue
         shared_len = n * block_size
         num_tiles = -(-len(rows) // members)
@@ -68,7 +68,9 @@ def plan_tiles(block_tables: list[list[int]], context_lens: list[int], num_decod
             part = rows[t * len(rows) // num_tiles:(t + 1) * len(rows) // num_tiles]
             tiles.append([part[0], shared_len] + part + [-1] * (members - len(part)))
             saved += (len(part) - 1) * shared_len
-    return tiles, saved
+            for r in part:
+                key_starts[r] = shared_len
+    return key_starts, tiles, saved
 
 
 def pays(saved: int, context_lens: list[int], num_decodes: int) -> bool:
@@ -76,12 +78,11 @@ def pays(saved: int, context_lens: list[int], num_decodes: int) -> bool:
     return saved > 0 and saved >= MIN_SAVED_FRACTION * sum(context_lens[:num_decodes])
 
 
-def cascade_splits(num_tiles: int, num_kv_heads: int, num_sms: int, max_keys: int) -> int:
-    """Splits of each tile's key list: PROGRAMS_PER_SM programs per SM, no split shorter than a key
-    tile."""
+def prefix_splits(num_tiles: int, num_kv_heads: int, num_sms: int, max_keys: int) -> int:
+    """Splits of each tile's prefix: about 2 programs per SM, no split shorter than a key tile."""
     useful = triton.cdiv(max_keys, decode_config(128)["BLOCK_N"])
-    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(1, num_tiles) * num_kv_heads)
-    return max(1, min(wanted, useful, MAX_CASCADE_SPLITS))
+    wanted = triton.cdiv(2 * num_sms, max(1, num_tiles) * num_kv_heads)
+    return max(1, min(wanted, useful, MAX_PREFIX_SPLITS))
 
 
 class Cascade:
@@ -91,17 +92,20 @@ class Cascade:
         self.backend, self.block_size = backend, config.kvcache_block_size
         self.members = members_per_tile(backend.num_heads // backend.num_kv_heads)
         self.max_model_len = config.max_model_len
-        self.scratch = cascade_scratch(config.max_num_seqs, MAX_CASCADE_SPLITS, backend.num_heads,
-                                       backend.head_dim, torch.device(config.device))
-        # decode graph size -> (graph, its tiles buffer, tiles its last step used)
+        slots = max(b * (self.num_splits(b) + MAX_PREFIX_SPLITS)
+                    for b in range(1, config.max_num_seqs + 1))
+        self.scratch = cascade_scratch(slots, 1, backend.num_heads, backend.head_dim,
+                                       torch.device(config.device))
+        # decode graph size -> (graph, its plan buffer, tiles its last step used)
         self.twins: dict[int, tuple] = {}
         self.pool = None
         self.num_steps = 0  # steps that ran cascade attention (tests and benchmarks read it)
         self.capture_seconds = 0.0
 
-    def splits(self, num_tiles: int, max_keys: int) -> int:
+    def num_splits(self, num_decodes: int) -> int:
         b = self.backend
-        return cascade_splits(num_tiles, b.num_kv_heads, b.num_sms, max_keys)
+        return num_decode_splits(num_decodes, b.num_kv_heads, b.head_dim, self.max_model_len,
+                                 b.num_sms)
 
     def prepare(self, runner, step, meta, graph):
         """Plan the step; if cascade pays, put the plan in meta (eager) or return the graph twin
@@ -109,22 +113,25 @@ class Cascade:
         d = step.num_decodes
         if d < 2 or graph is not None and d < len(step.context_lens):
             return graph  # a mixed step's graph runs plain decode
-        tiles, saved = plan_tiles(step.block_tables, step.context_lens, d, self.block_size,
-                                  self.members)
+        key_starts, tiles, saved = plan_tiles(step.block_tables, step.context_lens, d,
+                                              self.block_size, self.members)
         if not pays(saved, step.context_lens, d):
             return graph
         self.num_steps += 1
-        flat = [x for t in tiles for x in t]
         if graph is None:
-            splits = self.splits(len(tiles), self.max_model_len)
-            meta.cascade = CascadeStep(self.upload(flat, runner).view(len(tiles), -1), splits)
+            splits = prefix_splits(len(tiles), self.backend.num_kv_heads, self.backend.num_sms,
+                                   max(t[1] for t in tiles))
+            flat = self.upload(key_starts + [x for t in tiles for x in t], runner)
+            meta.cascade = CascadeStep(flat[:d], flat[d:].view(len(tiles), -1),
+                                       self.num_splits(d), splits)
             return None
         size = graph.sizes[1]
         if size not in self.twins:
             self.twins[size] = self.capture(runner, graph)
         twin, buffer, live = self.twins[size]
-        # unused tiles have first row -1: mark only those the last step of this graph used
-        flat += [-1] * (2 + self.members) * max(0, live - len(tiles))
+        # unused tiles have shared_len 0: zero only those the last step of this graph used
+        pad = [0] * (2 + self.members) * max(0, live - len(tiles))
+        flat = key_starts + [0] * (size - d) + [x for t in tiles for x in t] + pad
         self.upload(flat, runner, buffer[:len(flat)])
         self.twins[size] = twin, buffer, len(tiles)
         return twin
@@ -136,16 +143,21 @@ class Cascade:
         return into.copy_(pinned, non_blocking=True)
 
     def capture(self, runner, graph) -> tuple:
-        """A decode graph's twin that runs cascade attention: the same inputs, plus room for one
-        tile per row (unused: first row -1)."""
+        """A decode graph's twin that runs cascade attention: the same inputs, plus a plan buffer
+        of [B] key starts and B // 2 tiles (each tile has >= 2 rows)."""
         from nanovllm.engine.cuda_graphs import FullGraph, unpack
         size = graph.sizes[1]
-        buffer = torch.full((size, 2 + self.members), -1, dtype=torch.int32, device=runner.device)
+        num_tiles = size // 2
+        buffer = torch.zeros(size + num_tiles * (2 + self.members), dtype=torch.int32,
+                             device=runner.device)
         input_ids, positions, meta = unpack(graph.inputs, graph.sizes, graph.sizes, size)
-        # the grid is static: split as if the rows came 16 to a tile
-        meta.cascade = CascadeStep(buffer, self.splits(max(1, size // 16), self.max_model_len))
+        tiles_guess = max(1, size // 16)  # the grid is static: assume 16 rows a tile
+        splits = prefix_splits(tiles_guess, self.backend.num_kv_heads, self.backend.num_sms,
+                               self.max_model_len)
+        meta.cascade = CascadeStep(buffer[:size], buffer[size:].view(num_tiles, -1),
+                                   self.num_splits(size), splits)
         self.pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
         start = time.perf_counter()
         twin = FullGraph(runner.model, (input_ids, positions, meta), self.pool)
         self.capture_seconds += time.perf_counter() - start
-        return twin, buffer.view(-1), 0
+        return twin, buffer, 0

@@ -48,8 +48,9 @@ class TritonBackend(AttentionBackend):
             from nanovllm.kernels.cascade import cascade_attention
             c = meta.cascade
             cascade_attention(q, k_cache, v_cache, meta.cu_seqlens_q[:d + 1], meta.context_lens[:d],
-                              meta.block_tables[:d], c.tiles, self.scale, c.num_splits,
-                              self.cascade.scratch, out, self.k_scale, self.v_scale)
+                              meta.block_tables[:d], c.key_starts[:d], c.tiles, self.scale,
+                              c.num_splits, c.prefix_splits, self.cascade.scratch, out,
+                              self.k_scale, self.v_scale)
         elif d:
             splits = num_decode_splits(d, self.num_kv_heads, self.head_dim, self.max_model_len,
                                        self.num_sms)

@@ -43,22 +43,41 @@ def _split_range(key_start, context_len, split, NUM_SPLITS: tl.constexpr, BLOCK_
 @triton.jit(do_not_specialize=["stride_bt"])  # the table width changes from step to step
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr,
-    out_ptr, partial_ptr, lse_ptr, qk_scale, v_scale,
+    key_starts_ptr, out_ptr, partial_ptr, lse_ptr, qk_scale, v_scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
     stride_ot, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    FP8_ASM: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, CASCADE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    _decode_split(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_cache_ptr, v_cache_ptr,
+        cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr, key_starts_ptr, out_ptr, partial_ptr,
+        lse_ptr, qk_scale, v_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+        stride_bt, stride_ot, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
+        GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, NUM_SPLITS, CASCADE, DOT_DTYPE, FP8_ASM)
+
+
+@triton.jit
+def _decode_split(
+    seq, kv_head, split, q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+    block_tables_ptr, key_starts_ptr, out_ptr, partial_ptr, lse_ptr, qk_scale, v_scale,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+    stride_ot, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, CASCADE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr,
+):
+    """One (sequence, KV head, split) of decode attention (the cascade kernel runs it too)."""
     token = tl.load(cu_seqlens_q_ptr + seq)
     next_token = tl.load(cu_seqlens_q_ptr + seq + 1)
     context_len = tl.load(context_lens_ptr + seq)  # loaded with the others: one round trip, not two
     if next_token - token != 1:
         return  # not a decode: a prefill chunk (the prefill kernel's) or a padding row
-    start, end = _split_range(0, context_len, split, NUM_SPLITS, BLOCK_N)
+    key_start = 0
+    if CASCADE:  # keys before key_start are a shared prefix's, read once (kernels/cascade.py)
+        key_start = tl.load(key_starts_ptr + seq)
+    start, end = _split_range(key_start, context_len, split, NUM_SPLITS, BLOCK_N)
     if start >= end:
         return
 
@@ -95,7 +114,7 @@ def _decode_split_kernel(
         m_i = m_new
 
     out = acc * (v_scale / l_i)[:, None]  # v_scale: an FP8 cache's V scale (1 otherwise)
-    if NUM_SPLITS == 1:  # the one split is the answer: straight to the output
+    if NUM_SPLITS == 1 and not CASCADE:  # the one split is the answer: straight to the output
         dst = out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
     else:
@@ -108,10 +127,10 @@ def _decode_split_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    partial_ptr, lse_ptr, out_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+    partial_ptr, lse_ptr, out_ptr, cu_seqlens_q_ptr, context_lens_ptr, key_starts_ptr,
     stride_pb, stride_ps, stride_ph, stride_lb, stride_ls, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    PREFIX_SPLITS: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -122,8 +141,15 @@ def _merge_splits_kernel(
         return
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM)
-    start, end = _split_range(0, context_len, splits, NUM_SPLITS, BLOCK_N)
+    key_start = 0
+    if PREFIX_SPLITS > 0:
+        key_start = tl.load(key_starts_ptr + seq)
+    start, end = _split_range(key_start, context_len, splits, NUM_SPLITS, BLOCK_N)
     live = (splits < NUM_SPLITS) & (start < end)  # the splits that ran; the rest: stale scratch
+    if PREFIX_SPLITS > 0:  # then slots of the shared prefix's splits (kernels/cascade.py)
+        prefix = splits - NUM_SPLITS
+        start, end = _split_range(0, key_start, prefix, PREFIX_SPLITS, PREFIX_BLOCK_N)
+        live |= (prefix >= 0) & (prefix < PREFIX_SPLITS) & (start < end)
     lse = tl.load(lse_ptr + seq * stride_lb + splits * stride_ls + head, mask=live,
                   other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, 0))  # [SPLITS_PAD]; 2^-inf = 0 for the dead splits
@@ -209,21 +235,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         partial = scratch[0][:size * head_dim].view(num_seqs, num_splits, num_heads, head_dim)
         lse = scratch[1][:size].view(num_seqs, num_splits, num_heads, 1)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, out, partial, lse,
+        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, context_lens, out, partial,
+        lse,
         scale * k_scale * math.log2(math.e), v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=num_splits,
+        BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=num_splits, CASCADE=False,
         **widen_config(q.dtype, k_cache.dtype), **cfg,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
-            partial, lse, out, cu_seqlens_q, context_lens,
+            partial, lse, out, cu_seqlens_q, context_lens, context_lens,
             partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            HEAD_DIM=head_dim, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits, PREFIX_SPLITS=0,
+            PREFIX_BLOCK_N=1, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
         )
     return out
