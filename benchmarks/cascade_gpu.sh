@@ -7,13 +7,13 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.l
 for part in $parts; do
   log=$out/$part.log
   case $part in
-    kernels) timeout 120 python3 benchmarks/cascade_kernels.py > "$log" 2>&1 ;;
+    kernels) timeout 150 python3 benchmarks/cascade_kernels.py --sweep > "$log" 2>&1 ;;
     bench) for w in shared-prefix n8; do
              timeout 150 python3 bench.py --attn-backend triton --workload $w >> "$log" 2>&1
            done ;;
     profile) timeout 200 python3 benchmarks/cascade_profile.py --workload shared-prefix n8 \
                --cascade on off > "$log" 2>&1 ;;
-    default) timeout 200 python3 bench.py --attn-backend triton --cascade off on on off \
+    default) timeout 200 python3 bench.py --attn-backend triton --cascade off on \
                > "$log" 2>&1 ;;
     tests) timeout 200 python3 -m pytest -q tests/ -k cascade -p no:cacheprovider > "$log" 2>&1 ;;
   esac
