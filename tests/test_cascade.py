@@ -12,7 +12,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 from nanovllm import SamplingParams  # noqa: E402
-from nanovllm.attention.cascade import MIN_SAVED_FRACTION, pays, plan_tiles  # noqa: E402
+from nanovllm.attention import cascade as cascade_module  # noqa: E402
+from nanovllm.attention.cascade import (  # noqa: E402
+    MIN_SAVED_FRACTION, BlockCopies, pays, plan_tiles)
+from nanovllm.engine.step_inputs import StepInputs  # noqa: E402
 from nanovllm.kernels.cascade import cascade_attention, members_per_tile  # noqa: E402
 from tests.helpers import make_llm, random_prompts, token_ids  # noqa: E402
 from tests.test_triton_kernels import (  # noqa: E402
@@ -44,6 +47,41 @@ def test_plan_cuts_big_groups_into_near_equal_tiles_and_skips_prefill_rows():
     key_starts, tiles, saved = plan_tiles(tables, [40] * 12, 11, 16, members=4)
     assert [t[2:] for t in tiles] == [[0, 1, 2, -1], [3, 4, 5, 6], [7, 8, 9, 10]]
     assert len(key_starts) == 11 and saved == (2 + 3 + 3) * 32
+
+
+def step_writing(tables, context_lens, q_lens, copies=(), swap_in=()):
+    """A StepInputs that writes the last q_lens[s] keys of each row (the rest left empty)."""
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    return StepInputs([], [], [], cu, list(context_lens), [list(t) for t in tables],
+                      sum(n == 1 for n in q_lens), [], list(copies), list(swap_in))
+
+
+def test_block_copies_equal_their_source_below_the_first_write():
+    """n = 3 samples of a 20-token prompt, 16-token blocks: block 2 is the prompt's partial last
+    block; the first decode copies it for two samples (blocks 3, 4) and each writes slot 4."""
+    copies = BlockCopies(16)
+    tables = [[1, 2], [1, 3], [1, 4]]
+    copies.update(step_writing(tables, [21] * 3, [1] * 3, copies=[(2, 3), (2, 4)]))
+    assert copies.equal_slots([2, 3, 4]) == 4 and copies.equal_slots([3, 4]) == 4
+    assert copies.equal_slots([2, 5]) == 0  # not a copy
+    tiles = plan_tiles(tables, [22] * 3, 3, 16, members=4, copies=copies)[1]
+    assert tiles == [[0, 20, 0, 1, 2, -1]]  # 16 keys of block 1, and 4 of the copies
+    assert plan_tiles(tables, [22] * 3, 3, 16, members=4)[1] == [[0, 16, 0, 1, 2, -1]]
+    # a later prefill into block 4 from slot 0 (it was freed and given to another sequence)
+    copies.update(step_writing([[7, 4]], [20], [20]))
+    assert copies.equal_slots([2, 3]) == 4 and copies.equal_slots([2, 4]) == 0
+    # a chain: block 5 copies block 3, which copies block 2
+    copies.update(step_writing([[1, 5]], [23], [1], copies=[(3, 5)]))
+    assert copies.equal_slots([2, 3, 5]) == 4
+    copies.update(step_writing([], [], [], swap_in=[(0, 3)]))  # block 3 swapped in: new keys
+    assert copies.equal_slots([2, 3]) == 0 and copies.equal_slots([5, 3]) == 0
+    copies.update(step_writing([[1, 6]], [17], [1], copies=[(2, 6)]))
+    assert copies.equal_slots([2, 6]) == 0  # written at slot 0 in the step that copied it
+    copies.update(step_writing([], [], [], copies=[(9, 2)]))  # block 2 copies another block
+    assert copies.equal_slots([9, 2]) == 16 and 2 not in [src for src, _ in copies.source.values()
+                                                           if src != 9]
 
 
 def test_the_rule_needs_a_share_of_the_keys():
@@ -182,6 +220,27 @@ def test_parallel_samples_equal_plain(triton_llms):
         out = llm.generate(prompts, params, use_tqdm=False)
         results[on] = [[c.token_ids for c in o.outputs] for o in out]
     assert cascade_steps(triton_llms[True]) > before, "cascade never ran"
+    assert results[True] == results[False]
+
+
+def test_samples_share_their_prompts_last_block(triton_llms, monkeypatch):
+    """n = 4 samples of a prompt that ends inside a block: the copies of that block (one per
+    sample) share its prompt keys, so the tiles' shared prefix ends inside a block; the tokens
+    equal cascade off's."""
+    shared = []
+
+    def recording_plan(*args, **kwargs):
+        plan = plan_tiles(*args, **kwargs)
+        shared.extend(tile[1] for tile in plan[1])
+        return plan
+    monkeypatch.setattr(cascade_module, "plan_tiles", recording_plan)
+    prompts = random_prompts(2, (41, 41), seed=9)  # 2 whole blocks of 16, and 9 tokens
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=4)
+    results = {}
+    for on, llm in triton_llms.items():
+        out = llm.generate(prompts, params, use_tqdm=False)
+        results[on] = [[c.token_ids for c in o.outputs] for o in out]
+    assert 41 in shared, f"no tile shared the whole prompt: {sorted(set(shared))}"
     assert results[True] == results[False]
 
 

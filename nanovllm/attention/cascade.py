@@ -40,10 +40,61 @@ class CascadeStep:
     prefix_splits: int        # of each tile's prefix
 
 
+class BlockCopies:
+    """Blocks that hold the same keys as another block up to some slot. Copy-on-write makes them:
+    the n samples of a request (or the beams) each get a copy of its last prompt block, partly
+    filled, and a copy equals its source below the first slot either has been written at since.
+    Followed step by step from the copies, the writes and the swaps in (`update`), so that rows
+    can share that block's keys too, not only their common whole blocks."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.source: dict[int, list[int]] = {}  # block -> [the block it copies, slots still equal]
+
+    def update(self, step):
+        """Take in a step before it runs: its copies, then every slot it writes or swaps in.
+        (A step with no tokens, which never reaches the backend, only swaps out: reads.)"""
+        bs = self.block_size
+        for src, dst in step.copies:
+            self.forget(dst)
+            self.source[dst] = [src, bs]
+        if not self.source:
+            return
+        lowest = {gpu: 0 for _, gpu in step.swap_in}  # block -> lowest slot written
+        for row, table in enumerate(step.block_tables):
+            end = step.context_lens[row]
+            start = end - (step.cu_seqlens_q[row + 1] - step.cu_seqlens_q[row])
+            for i in range(start // bs, -(-end // bs)):  # the blocks of keys start..end-1
+                slot = start - i * bs if i == start // bs else 0
+                lowest[table[i]] = min(lowest.get(table[i], bs), slot)
+        for block, entry in list(self.source.items()):
+            entry[1] = min(entry[1], lowest.get(block, bs), lowest.get(entry[0], bs))
+            if entry[1] == 0:
+                del self.source[block]
+
+    def forget(self, block: int):
+        """The block gets new keys: it is no copy any more, and its copies no longer equal it."""
+        self.source.pop(block, None)
+        for copy in [b for b, (src, _) in self.source.items() if src == block]:
+            del self.source[copy]
+
+    def equal_slots(self, blocks: list[int]) -> int:
+        """How many leading slots hold the same keys in all these blocks (0: none known)."""
+        roots, slots = set(), self.block_size
+        for block in blocks:
+            while block in self.source:
+                block, equal = self.source[block]
+                slots = min(slots, equal)
+            roots.add(block)
+        return slots if len(roots) == 1 else 0
+
+
 def plan_tiles(block_tables: list[list[int]], context_lens: list[int], num_decodes: int,
-               block_size: int, members: int) -> tuple[list[int], list[list[int]], int]:
+               block_size: int, members: int,
+               copies: BlockCopies | None = None) -> tuple[list[int], list[list[int]], int]:
     """(key_starts per decode row, tiles [first row, shared_len, member rows...], keys saved) of
-    the decode rows that share leading blocks; tiles are padded with -1 to `members` rows."""
+    the decode rows that share leading blocks (and, with `copies`, the equal leading slots of
+    the block after them); tiles are padded with -1 to `members` rows."""
     key_starts, tiles, saved = [0] * num_decodes, [], 0
     if len({table[0] for table in block_tables[:num_decodes]}) == num_decodes:
         return key_starts, tiles, saved  # no two rows share a first block (the common case)
@@ -60,9 +111,13 @@ def plan_tiles(block_tables: list[list[int]], context_lens: list[int], num_decod
             table = block_tables[r]
             if table[:n] != first[:n]:
                 n = next(i for i, (a, b) in enumerate(zip(table, first)) if a != b)
-        if n == 0:
-            continue
         shared_len = n * block_size
+        if copies is not None and len({block_tables[r][n] for r in rows}) > 1:
+            # copies of one block (the samples' last prompt block): the slots they hold in common
+            own_newest = min(context_lens[r] for r in rows) - 1 - shared_len  # kept own
+            shared_len += min(copies.equal_slots([block_tables[r][n] for r in rows]), own_newest)
+        if shared_len == 0:
+            continue
         num_tiles = -(-len(rows) // members)
         for t in range(num_tiles):  # near-equal tiles: each of a group of >= 2 has >= 2 rows
             part = rows[t * len(rows) // num_tiles:(t + 1) * len(rows) // num_tiles]
@@ -90,6 +145,7 @@ class Cascade:
 
     def __init__(self, backend, config):
         self.backend, self.block_size = backend, config.kvcache_block_size
+        self.copies = BlockCopies(self.block_size)
         self.members = members_per_tile(backend.num_heads // backend.num_kv_heads)
         self.max_model_len = config.max_model_len
         slots = max(b * (self.num_splits(b) + MAX_PREFIX_SPLITS)
@@ -110,11 +166,12 @@ class Cascade:
     def prepare(self, runner, step, meta, graph):
         """Plan the step; if cascade pays, put the plan in meta (eager) or return the graph twin
         that runs it (a decode step's graph); else return `graph` as it was."""
+        self.copies.update(step)  # every step: its copies and writes
         d = step.num_decodes
         if d < 2 or graph is not None and d < len(step.context_lens):
             return graph  # a mixed step's graph runs plain decode
         key_starts, tiles, saved = plan_tiles(step.block_tables, step.context_lens, d,
-                                              self.block_size, self.members)
+                                              self.block_size, self.members, self.copies)
         if not pays(saved, step.context_lens, d):
             return graph
         self.num_steps += 1

@@ -10,6 +10,9 @@ of rows, so each K/V tile of the prefix is read once and multiplied with a real 
 point: many queries, one read). It writes a partial output and log-sum-exp per (row, head), as one
 more split of the decode kernel (kernels/decode.py), which reads each row's own keys
 [shared_len, context_len); the merge kernel then combines all the splits by log-sum-exp.
+The prefix programs and the decode programs are one launch (the prefixes first): each kind alone
+leaves the GPU half idle (few long prefix programs; many short decode programs that wait on
+memory), and together they overlap, with no idle tail between two kernels.
 
 Tiles come from the host (attention/cascade.py): per tile, the row whose block table holds the
 shared blocks, `shared_len` (0: an unused tile, which returns at once) and its member rows (-1:
@@ -21,12 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.decode import _decode_split_kernel, _merge_splits_kernel, _split_range
-from nanovllm.kernels.paged import widen_config
-from nanovllm.kernels.decode import decode_config
-from nanovllm.kernels.paged import kv_row_offsets
+from nanovllm.kernels.decode import _decode_split, _merge_splits_kernel, _split_range
+from nanovllm.kernels.paged import kv_row_offsets, widen_config, widen_v
 
-ROWS = 64  # query rows of a prefix tile: members x GROUP heads (tl.dot wants >= 16)
+ROWS = 32  # query rows of a prefix tile: members x GROUP heads (tl.dot wants >= 16)
+
+
+def cascade_config(head_dim: int) -> dict:
+    """Tile sizes of the one launch (benchmarks/cascade_kernels.py sweeps them)."""
+    return dict(BLOCK_N=64, num_warps=4, num_stages=2)
 
 
 def members_per_tile(group: int) -> int:
@@ -34,19 +40,52 @@ def members_per_tile(group: int) -> int:
     return max(2, ROWS // group)
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
-def _shared_prefix_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr, block_tables_ptr, tiles_ptr,
-    partial_ptr, lse_ptr, qk_scale, v_scale,
+@triton.jit(do_not_specialize=["stride_bt", "num_prefix_programs"])
+def _cascade_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr,
+    key_starts_ptr, tiles_ptr, out_ptr, partial_ptr, lse_ptr, qk_scale, v_scale,
+    num_prefix_programs, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+    stride_ot, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, MEMBERS: tl.constexpr, ROWS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr,
+):
+    """One launch, two kinds of programs: first one per (tile, KV head, prefix split), then one
+    per (decode row, KV head, split) of the rows' own keys; the two overlap on the GPU."""
+    pid = tl.program_id(0)
+    if pid < num_prefix_programs:
+        _shared_prefix(
+            pid // (NUM_KV_HEADS * PREFIX_SPLITS), pid // PREFIX_SPLITS % NUM_KV_HEADS,
+            pid % PREFIX_SPLITS, q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr,
+            block_tables_ptr, tiles_ptr, partial_ptr, lse_ptr, qk_scale, v_scale,
+            stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+            stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
+            GROUP, MEMBERS, ROWS_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, NUM_SPLITS, PREFIX_SPLITS,
+            DOT_DTYPE, FP8_ASM)
+    else:
+        pid -= num_prefix_programs
+        _decode_split(
+            pid // (NUM_KV_HEADS * NUM_SPLITS), pid // NUM_SPLITS % NUM_KV_HEADS,
+            pid % NUM_SPLITS, q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr,
+            context_lens_ptr, block_tables_ptr, key_starts_ptr, out_ptr, partial_ptr, lse_ptr,
+            qk_scale, v_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+            stride_ot, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
+            GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, NUM_SPLITS, True, DOT_DTYPE,
+            FP8_ASM)
+
+
+@triton.jit
+def _shared_prefix(
+    tile, kv_head, split, q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr, block_tables_ptr,
+    tiles_ptr, partial_ptr, lse_ptr, qk_scale, v_scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
     stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
     GROUP: tl.constexpr, MEMBERS: tl.constexpr, ROWS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    PREFIX_SPLITS: tl.constexpr,
+    PREFIX_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    """One (tile, KV head, split) of a tile's shared prefix: all members' queries at once."""
     tile_ptr = tiles_ptr + tile * (2 + MEMBERS)  # [first row, shared_len, members...]
     first = tl.load(tile_ptr)
     shared_len = tl.load(tile_ptr + 1)
@@ -63,7 +102,7 @@ def _shared_prefix_kernel(
     heads = kv_head * GROUP + rows % GROUP
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + token.to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh
-                + dims[None, :], mask=row_mask[:, None], other=0.0)  # [ROWS_PAD, D]
+                + dims[None, :], mask=row_mask[:, None], other=0.0).to(DOT_DTYPE)  # [ROWS_PAD, D]
     k_ptr = k_cache_ptr + kv_head * stride_kh
     v_ptr = v_cache_ptr + kv_head * stride_kh
     block_table_row = block_tables_ptr + first.to(tl.int64) * stride_bt  # every member's blocks
@@ -76,8 +115,9 @@ def _shared_prefix_kernel(
         key_mask = keys < end
         kv_rows = kv_row_offsets(block_table_row, keys, key_mask, stride_kb, stride_ks, BLOCK_SIZE)
         kv_offsets = kv_rows[:, None] + dims[None, :]  # [BLOCK_N, D]
-        k = tl.load(k_ptr + kv_offsets, mask=key_mask[:, None], other=0.0).to(q.dtype)
-        v = tl.load(v_ptr + kv_offsets, mask=key_mask[:, None], other=0.0).to(q.dtype)
+        k = tl.load(k_ptr + kv_offsets, mask=key_mask[:, None], other=0.0).to(DOT_DTYPE)
+        v = widen_v(tl.load(v_ptr + kv_offsets, mask=key_mask[:, None], other=0.0), DOT_DTYPE,
+                    FP8_ASM)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [ROWS_PAD, BLOCK_N], log2 units
         s = tl.where(key_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -134,32 +174,27 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     assert scratch[0].numel() >= size * head_dim, "scratch sized for fewer splits"
     partial = scratch[0][:size * head_dim].view(num_seqs, slots, num_heads, head_dim)
     lse = scratch[1][:size].view(num_seqs, slots, num_heads, 1)
-    cfg = decode_config(head_dim)
+    cfg = cascade_config(head_dim)
     qk_scale = scale * k_scale * math.log2(math.e)
     common = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               block_tables.stride(0))
     partial_strides = (partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
                        lse.stride(1))
-    if tiles.shape[0]:
-        _shared_prefix_kernel[(tiles.shape[0], num_kv_heads, prefix_splits)](
-            q, k_cache, v_cache, cu_seqlens_q, block_tables, tiles, partial, lse, qk_scale,
-            v_scale, *common, *partial_strides,
-            GROUP=group, MEMBERS=members, ROWS_PAD=triton.next_power_of_2(members * group),
-            HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=cfg["BLOCK_N"],
-            NUM_SPLITS=num_splits, PREFIX_SPLITS=prefix_splits, num_warps=4, num_stages=2,
-        )
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, key_starts, out, partial,
-        lse, qk_scale, v_scale, *common, out.stride(0), out.stride(1), *partial_strides,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=num_splits, CASCADE=True,
-        **widen_config(q.dtype, k_cache.dtype), **cfg,
+    num_prefix_programs = tiles.shape[0] * num_kv_heads * prefix_splits
+    _cascade_kernel[(num_prefix_programs + num_seqs * num_kv_heads * num_splits,)](
+        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, key_starts, tiles, out,
+        partial, lse, qk_scale, v_scale, num_prefix_programs, *common, out.stride(0),
+        out.stride(1), *partial_strides,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), MEMBERS=members,
+        ROWS_PAD=max(16, triton.next_power_of_2(members * group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1], NUM_KV_HEADS=num_kv_heads, NUM_SPLITS=num_splits,
+        PREFIX_SPLITS=prefix_splits, **widen_config(q.dtype, k_cache.dtype), **cfg,
     )
     _merge_splits_kernel[(num_seqs, num_heads)](
         partial, lse, out, cu_seqlens_q, context_lens, key_starts, *partial_strides,
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits,
         PREFIX_SPLITS=prefix_splits, PREFIX_BLOCK_N=cfg["BLOCK_N"],
-        SPLITS_PAD=triton.next_power_of_2(slots), num_warps=4,
+        SPLITS_PAD=triton.next_power_of_2(slots), num_warps=2,
     )
     return out

@@ -50,9 +50,25 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, CASCADE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    _decode_split(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_cache_ptr, v_cache_ptr,
+        cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr, key_starts_ptr, out_ptr, partial_ptr,
+        lse_ptr, qk_scale, v_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+        stride_bt, stride_ot, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
+        GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, NUM_SPLITS, CASCADE, DOT_DTYPE, FP8_ASM)
+
+
+@triton.jit
+def _decode_split(
+    seq, kv_head, split, q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+    block_tables_ptr, key_starts_ptr, out_ptr, partial_ptr, lse_ptr, qk_scale, v_scale,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+    stride_ot, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, CASCADE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr,
+):
+    """One (sequence, KV head, split) of decode attention (the cascade kernel runs it too)."""
     token = tl.load(cu_seqlens_q_ptr + seq)
     next_token = tl.load(cu_seqlens_q_ptr + seq + 1)
     context_len = tl.load(context_lens_ptr + seq)  # loaded with the others: one round trip, not two
