@@ -244,6 +244,21 @@ def test_samples_share_their_prompts_last_block(triton_llms, monkeypatch):
     assert results[True] == results[False]
 
 
+def test_swap_mode_shares_whole_blocks_only(tiny_path, triton_llms):
+    """A step of swaps alone never reaches the backend, so the copies' bookkeeping would miss its
+    swaps in: with swap preemption, rows share whole blocks only (and still equal plain)."""
+    llm = make_llm(tiny_path, attn_backend="triton", dtype="float32", preemption_mode="swap",
+                   swap_space=0.001)
+    assert llm.model_runner.backend.cascade.copies is None
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=3)
+    prompts = random_prompts(2, (40, 60), seed=7)
+    results = [[[c.token_ids for c in o.outputs] for o in engine.generate(prompts, params,
+                                                                            use_tqdm=False)]
+               for engine in (llm, triton_llms[False])]
+    assert cascade_steps(llm) > 0, "cascade never ran"
+    assert results[0] == results[1]
+
+
 def test_beam_search_equals_plain(triton_llms):
     prompts = random_prompts(2, (35, 50), seed=8)
     results, before = {}, cascade_steps(triton_llms[True])

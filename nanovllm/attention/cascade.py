@@ -145,7 +145,9 @@ class Cascade:
 
     def __init__(self, backend, config):
         self.backend, self.block_size = backend, config.kvcache_block_size
-        self.copies = BlockCopies(self.block_size)
+        # a step of swaps alone never comes here, and its swaps in would go unseen: with swap
+        # preemption, rows share whole blocks only
+        self.copies = BlockCopies(self.block_size) if config.preemption_mode != "swap" else None
         self.members = members_per_tile(backend.num_heads // backend.num_kv_heads)
         self.max_model_len = config.max_model_len
         slots = max(b * (self.num_splits(b) + MAX_PREFIX_SPLITS)
@@ -166,7 +168,8 @@ class Cascade:
     def prepare(self, runner, step, meta, graph):
         """Plan the step; if cascade pays, put the plan in meta (eager) or return the graph twin
         that runs it (a decode step's graph); else return `graph` as it was."""
-        self.copies.update(step)  # every step: its copies and writes
+        if self.copies is not None:
+            self.copies.update(step)  # every step with tokens: its copies and writes
         d = step.num_decodes
         if d < 2 or graph is not None and d < len(step.context_lens):
             return graph  # a mixed step's graph runs plain decode
