@@ -53,7 +53,8 @@ class BlockCopies:
 
     def update(self, step):
         """Take in a step before it runs: its copies, then every slot it writes or swaps in.
-        (A step with no tokens, which never reaches the backend, only swaps out: reads.)"""
+        Only steps with tokens come here: a step of swaps alone never reaches the backend, which
+        is why the cascade keeps no copies under swap preemption (Cascade.__init__)."""
         bs = self.block_size
         for src, dst in step.copies:
             self.forget(dst)
