@@ -1,25 +1,17 @@
 """Engine options, validated once: the `Config` every part of the engine reads."""
 import importlib.util
 import json
-import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Literal
 
 import torch
 
 from nanovllm.attention import BACKENDS
 from nanovllm.models import model_class
-from nanovllm.utils.checks import check_fields
+from nanovllm.utils.checks import at_least, check_fields, rule
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-AT_LEAST_ONE = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size")
-RULES = {  # option: (test, what is allowed), after the field's type (nanovllm/utils/checks.py)
-    **{name: (lambda v: v >= 1, "an integer >= 1") for name in AT_LEAST_ONE},
-    "kvcache_block_size": (lambda v: v >= 1 and not v & (v - 1), "a power of two (an int)"),
-    "gpu_memory_utilization": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    "num_kvcache_blocks": (lambda v: v >= 1 or v == -1, "an integer >= 1 (or -1: automatic)"),
-    "swap_space": (lambda v: v > 0, "a number > 0 (GiB)"),
-}
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "max_position_embeddings")
 
@@ -27,12 +19,15 @@ REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_l
 @dataclass(slots=True)
 class Config:
     model: str
-    max_num_batched_tokens: int = 16384  # new tokens per step
-    max_num_seqs: int = 512              # sequences per step
-    max_model_len: int = 4096            # prompt + generated tokens (clipped to the model's)
-    gpu_memory_utilization: float = 0.9
-    kvcache_block_size: int = 256
-    num_kvcache_blocks: int = -1         # -1: from free GPU memory, or 1 GiB on CPU
+    max_num_batched_tokens: int = at_least(1, default=16384)  # new tokens per step
+    max_num_seqs: int = at_least(1, default=512)  # sequences per step
+    # prompt + generated tokens (clipped to the model's)
+    max_model_len: int = at_least(1, default=4096)
+    gpu_memory_utilization: float = rule(0.9, lambda v: 0 < v <= 1, "a number in (0, 1]")
+    kvcache_block_size: int = rule(256, lambda v: v >= 1 and not v & (v - 1),
+                                   "a power of two (an int)")
+    # -1: from free GPU memory, or 1 GiB on CPU
+    num_kvcache_blocks: int = rule(-1, lambda v: v >= 1 or v == -1, "an integer >= 1 (or -1: auto)")
     enforce_eager: bool = False          # no CUDA graphs
     async_scheduling: bool | None = None  # run ahead of the GPU (engine/run_ahead.py); None: CUDA
     attn_backend: Literal[("", *BACKENDS)] = ""  # "": flash (if installed) or triton; sdpa on CPU
@@ -42,7 +37,8 @@ class Config:
     enable_prefix_caching: bool = True
     prefill_first: bool = False          # True: steps that prefill run no decodes (vLLM v0's order)
     preemption_mode: Literal["recompute", "swap"] = "recompute"  # "swap": blocks go to a CPU pool
-    swap_space: float = 4.0              # GiB of CPU memory for swapped-out blocks
+    # GiB of CPU memory for swapped-out blocks
+    swap_space: float = rule(4.0, lambda v: v > 0, "a number > 0 (GiB)")
     kv_reservation: Literal[None, "oracle", "pow2", "max"] = None  # Orca's reservations, not paging
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # "fp8": e4m3 (attention/fp8.py)
     disable_cascade_attn: bool = False   # True: shared prefixes read per row (attention/cascade.py)
@@ -50,7 +46,7 @@ class Config:
     log_stats: bool = False              # request timings, token counts (engine/metrics.py)
     tokenizer: str = ""                  # "": the model directory's; else a directory holding one
     seed: int = 0
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = at_least(1, default=1)
     hf_config: dict | None = None        # filled in: the model's config.json
     torch_dtype: torch.dtype | None = None  # filled in from dtype
 
@@ -64,7 +60,7 @@ class Config:
         return cls(model, **options)
 
     def __post_init__(self):
-        check_fields(self, RULES)
+        check_fields(self)
         self.hf_config = read_model_config(self.model)
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu'")
@@ -87,12 +83,11 @@ class Config:
 def read_model_config(model: str) -> dict:
     """The model directory's config.json, with the keys the engine reads filled in where
     optional."""
-    path = os.path.join(model, "config.json")
-    if not os.path.isfile(path):
+    path = Path(model, "config.json")
+    if not path.is_file():
         raise ValueError(f"model={model!r} is not a directory holding config.json and weights")
     try:
-        with open(path) as f:
-            cfg = json.load(f)
+        cfg = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
     model_class(cfg)  # a ValueError naming the supported architectures

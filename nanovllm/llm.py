@@ -16,8 +16,7 @@ class LLM(LLMEngine):
         prompts = prompts if isinstance(prompts, (list, tuple)) else [prompts]  # one prompt
         params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} "
-                             "prompts")
+            raise ValueError(f"sampling_params has {len(params)} items for {len(prompts)} prompts")
         if output_kind is not None:  # a copy: the caller's object stays as it was
             params = [replace(p or SamplingParams(), output_kind=output_kind)
                       if isinstance(p, SamplingParams | None) else p for p in params]
@@ -37,8 +36,8 @@ class LLM(LLMEngine):
                     if out.finished:
                         pending.discard(out.request_id)
                     yield out
-                held = {out.request_id for out in self.held}  # ones the caller aborted meanwhile go
-                pending = {r for r in pending if r in self.requests or r in held}
+                # the ones the caller aborted meanwhile go
+                pending &= self.requests.keys() | {out.request_id for out in self.held}
         finally:
             for request_id in pending:
                 self.abort_request(request_id)
@@ -50,9 +49,8 @@ class LLM(LLMEngine):
         outputs = dict.fromkeys(request_ids)
         num_prompt = num_generated = 0
         start = time.perf_counter()
-        bar = tqdm(total=len(request_ids), desc="Generating", dynamic_ncols=True,
-                   disable=not use_tqdm)
-        with bar:
+        with tqdm(total=len(request_ids), desc="Generating", dynamic_ncols=True,
+                  disable=not use_tqdm) as bar:
             for out in self._run(request_ids):
                 outputs[out.request_id] = out
                 num_prompt += len(out.prompt_token_ids)

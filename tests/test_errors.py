@@ -68,7 +68,7 @@ def test_prompt_of_the_wrong_type(llm, france):
         llm.generate([[1, 2.5, 3]], GREEDY, use_tqdm=False)
     with pytest.raises(TypeError, match="sampling_params"):
         llm.generate([france], [{"temperature": 0}], use_tqdm=False)
-    with pytest.raises(ValueError, match="sampling_params has 2 entries for 1 prompts"):
+    with pytest.raises(ValueError, match="sampling_params has 2 items for 1 prompts"):
         llm.generate([france], [GREEDY, GREEDY], use_tqdm=False)
     assert_serves(llm, france)
 

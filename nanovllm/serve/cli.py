@@ -28,9 +28,11 @@ log = logging.getLogger("nanovllm.serve")
 
 
 def config_comments() -> dict[str, str]:
-    """Config's inline comments, by field: the flags' help."""
+    """Config's comments, by field (on the field's line or the line above it): the flags' help."""
     source = inspect.getsource(Config)
-    return dict(re.findall(r"^\s+(\w+): [^#\n]*#\s*(.+)$", source, re.MULTILINE))
+    above = re.findall(r"^\s+#\s*(.+)\n\s+(\w+):", source, re.MULTILINE)
+    inline = re.findall(r"^\s+(\w+): [^#\n]*#\s*(.+)$", source, re.MULTILINE)
+    return {**{name: text for text, name in above}, **dict(inline)}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser):
@@ -42,7 +44,8 @@ def add_engine_flags(parser: argparse.ArgumentParser):
             continue
         flag = "--" + f.name.replace("_", "-")
         default = None if f.default is MISSING else f.default
-        help = f"{comments.get(f.name, '')} (default: {default!r})".lstrip()
+        allowed = f.metadata["rule"][1] + "; " if "rule" in f.metadata else ""  # utils/checks.py
+        help = f"{comments.get(f.name, '')} ({allowed}default: {default!r})".lstrip()
         choices = None
         kind = f.type.__args__[0] if isinstance(f.type, types.UnionType) else f.type
         if typing.get_origin(f.type) is typing.Literal:  # a flag of strings: None is its absence
