@@ -5,11 +5,12 @@ write, swapping), recorded from a real run. `nanovllm.viz` draws a trace as a pa
     with llm.trace("run.json"):
         llm.generate(...)       # any engine driving inside the block is traced
 
-While a trace is open the engine calls `Trace.on_step(batch)` once per step, after the scheduler
-has built the batch and before the model runs. The trace reads the engine's state (the running,
-waiting and swapped sequences' block tables, the prefix cache) and works out the events by
-comparing it with the state it read at the step before: only changes are stored. With no trace open
-the engine does nothing but test `engine.tracer is None`.
+While a trace is open it is one of the engine's observers: the engine calls
+`Trace.launched(batch)` once per step, once the scheduler has built the batch and the model runner
+has launched it. The trace reads the engine's state (the running, waiting and swapped sequences'
+block tables, the prefix cache) and works out the events by comparing it with the state it read at
+the step before: only changes are stored. With no trace open (and no log_stats) what the engine
+does for observers is loop over an empty list.
 
 The file (JSON, one object):
 
@@ -84,7 +85,7 @@ class Trace:
         self.engine, self.path = engine, path
 
     def __enter__(self):
-        if self.engine.tracer is not None:
+        if any(isinstance(o, Trace) for o in self.engine.observers):
             raise RuntimeError("a trace is already open on this engine")
         config, swap = self.engine.config, self.engine.scheduler.swap
         self.state = EngineState(self.engine)
@@ -102,17 +103,23 @@ class Trace:
         for seq in self.state.seqs.values():
             self._describe(seq, None)
         self.t0 = self.last_t = time.perf_counter()
-        self.engine.tracer = self
+        self.engine.observers.append(self)
         return self
 
     def __exit__(self, *exc):
-        self.engine.tracer = None
+        self.engine.observers.remove(self)
         if self.engine.scheduler is not None:
             self.data["end"] = self._diff(None)
         with open(self.path, "w") as f:
             json.dump(self.data, f, separators=(",", ":"))
 
-    def on_step(self, batch):
+    def arrived(self, seq):
+        """A request queued: its sequence shows at the next step."""
+
+    def read(self, new_tokens, outputs):
+        """A step's tokens read: what they change shows at the next step."""
+
+    def launched(self, batch):
         """Record a step (the engine calls this once the step is launched)."""
         now = time.perf_counter()
         entry = {"step": len(self.data["steps"]), "t": round(now - self.t0, 6),

@@ -327,7 +327,7 @@ def test_request_metrics(tiny_path):
 def test_without_log_stats_there_are_no_timings_or_token_counts(tiny_path):
     llm = make_llm(tiny_path)
     out, = llm.generate(random_prompts(1, (10, 10), seed=81), greedy(max_tokens=3), use_tqdm=False)
-    assert out.metrics is None and llm.stats is None
+    assert out.metrics is None and not llm.observers
     assert set(llm.get_stats()) == STATS_KEYS - TOKEN_KEYS
 
 

@@ -181,7 +181,7 @@ def test_a_trace_opened_mid_run_starts_from_the_engine_state(tiny_path, tmp_path
 
 def test_no_open_trace_records_nothing_and_an_error_still_writes_it(tiny_path, tmp_path):
     llm = LLM(tiny_path, **DEMO_OPTIONS)
-    assert llm.tracer is None
+    assert not llm.observers
     with pytest.raises(KeyboardInterrupt), llm.trace(tmp_path / "t.json"):
         with pytest.raises(RuntimeError, match="already open"):
             Trace(llm, tmp_path / "u.json").__enter__()
@@ -189,7 +189,7 @@ def test_no_open_trace_records_nothing_and_an_error_still_writes_it(tiny_path, t
         request_id = llm.add_request(list(range(20)), params)
         llm.step()
         raise KeyboardInterrupt
-    assert llm.tracer is None and not (tmp_path / "u.json").exists()
+    assert not llm.observers and not (tmp_path / "u.json").exists()
     data = json.loads((tmp_path / "t.json").read_text())
     assert data["steps"] and replay(data, len(data["steps"]))["tables"]  # the request still runs
     assert llm.abort_request(request_id)

@@ -32,8 +32,8 @@ class CheckedTrace(Trace):
         self.truth, self.batches = [], []
         return super().__enter__()
 
-    def on_step(self, batch):
-        super().on_step(batch)
+    def launched(self, batch):
+        super().launched(batch)
         self.truth.append(engine_truth(self.engine))
         self.batches.append({"copies": list(batch.copies), "swap_in": list(batch.swap_in),
                              "swap_out": list(batch.swap_out)})

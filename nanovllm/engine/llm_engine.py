@@ -10,6 +10,7 @@ tensor_parallel_size > 1 the engine also starts one worker process per extra ran
 leaving a `with LLM(...)` block, or the engine being collected, or the program's exit) stops them.
 """
 import gc
+from contextlib import AbstractContextManager
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
@@ -22,7 +23,7 @@ from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 
-class LLMEngine:
+class LLMEngine(AbstractContextManager):
     def __init__(self, model: str, **options):
         self.config = config = Config.from_options(model, **options)
         tokenizer = config.tokenizer or model
@@ -50,11 +51,12 @@ class LLMEngine:
         self.requests: dict[int | str, Sequence] = {}  # request id -> root sequence, until it ends
         self.in_flight = None  # (batch, tokens) launched and not read yet (engine/run_ahead.py)
         self.held: list[RequestOutput] = []  # outputs a caller's generate() did not ask for
-        self.tracer = None  # a Trace (nanovllm/trace.py) while one is open: sees every step
-        self.stats = None  # request timings and token counts, with log_stats (engine/metrics.py)
+        # what sees each request queued, step launched and step read: with log_stats, the request
+        # timings and token counts (engine/metrics.py); an open Trace (nanovllm/trace.py)
+        self.observers: list = []
         if config.log_stats:
             from nanovllm.engine.metrics import Stats
-            self.stats = Stats()
+            self.observers.append(Stats())
 
     def shutdown(self):
         """Stop the tensor-parallel workers and free the model, its KV cache and the rendezvous
@@ -67,10 +69,7 @@ class LLMEngine:
         self.model_runner = self.in_flight = None
         gc.collect()  # the model's modules hold reference cycles: free their memory now
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
+    def __exit__(self, *exc):  # (contextlib's __enter__ returns the engine)
         self.shutdown()
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
@@ -85,8 +84,8 @@ class LLMEngine:
         seq.request_id = seq.seq_id if request_id is None else request_id
         self.requests[seq.request_id] = seq
         self.scheduler.waiting.append(seq)
-        if self.stats is not None:
-            self.stats.arrived(seq)
+        for observer in self.observers:
+            observer.arrived(seq)
         return seq.request_id
 
     def abort_request(self, request_id: int | str) -> bool:
@@ -123,10 +122,8 @@ class LLMEngine:
             from nanovllm.engine.requeue import requeue
             requeue(self.scheduler, [batch])
             raise
-        if self.tracer is not None:  # a launched step (one that failed is not recorded)
-            self.tracer.on_step(batch)
-        if self.stats is not None:
-            self.stats.launched(batch)
+        for observer in self.observers:  # a launched step (one that failed is not recorded)
+            observer.launched(batch)
         return batch, sampled
 
     def read_step(self, batch: ScheduledBatch, token_ids: list[int], logprobs: list | None):
@@ -134,8 +131,8 @@ class LLMEngine:
         new_tokens = self.scheduler.update(batch, token_ids, logprobs,
                                            self.output_processor.check_stop)
         outputs = self.output_processor.outputs(new_tokens)
-        if self.stats is not None:
-            self.stats.read(new_tokens, outputs)
+        for observer in self.observers:
+            observer.read(new_tokens, outputs)
         for out in outputs:
             if out.finished:
                 self.requests.pop(out.request_id, None)
