@@ -6,7 +6,9 @@ import pytest
 
 from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence, num_blocks_for, slot_mapping
+from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.engine.sequence import Sequence, num_blocks_for
+from nanovllm.engine.step_inputs import step_inputs
 
 BS = 4  # tokens per block
 
@@ -28,11 +30,19 @@ def test_num_blocks_for(num_tokens, expected):
     assert num_blocks_for(num_tokens, BS) == expected
 
 
+def slots(table: list[int], start: int, end: int) -> list[int]:
+    """The cache slots step_inputs gives positions start..end-1 of a sequence with this table."""
+    seq = seq_of(range(12))
+    seq.block_table = table
+    batch = ScheduledBatch([seq], [end - start], [start], [1])
+    return step_inputs(batch, BS).slot_mapping
+
+
 def test_slot_mapping():
     table = [7, 2, 5]
-    assert [slot_mapping(table, p, p + 1, BS)[0] for p in (0, 3, 4, 5, 8, 11)] == [28, 31, 8, 9, 20, 23]
-    assert slot_mapping(table, 2, 10, BS) == [30, 31, 8, 9, 10, 11, 20, 21]  # runs across blocks
-    assert slot_mapping(table, 4, 8, BS) == [8, 9, 10, 11] and slot_mapping(table, 3, 3, BS) == []
+    assert [slots(table, p, p + 1)[0] for p in (0, 3, 4, 5, 8, 11)] == [28, 31, 8, 9, 20, 23]
+    assert slots(table, 2, 10) == [30, 31, 8, 9, 10, 11, 20, 21]  # runs across blocks
+    assert slots(table, 4, 8) == [8, 9, 10, 11] and slots(table, 3, 3) == []
 
 
 def test_block_keys_chain():

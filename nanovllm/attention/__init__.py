@@ -54,7 +54,6 @@ BACKENDS = {"flash": "FlashBackend", "triton": "TritonBackend", "sdpa": "SDPABac
 
 
 def get_backend(name: str) -> type[AttentionBackend]:
-    """The backend class of a name in BACKENDS (imported on demand: flash-attn is optional)."""
-    if name not in BACKENDS:
-        raise ValueError(f"attn_backend={name!r} is not one of {tuple(BACKENDS)}")
+    """The backend class of a name in BACKENDS (Config checked it; imported on demand: flash-attn
+    is optional)."""
     return getattr(importlib.import_module(f"nanovllm.attention.{name}"), BACKENDS[name])

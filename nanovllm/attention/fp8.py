@@ -52,5 +52,7 @@ def store_quantized(k, v, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_map
 
 def gather_dequantized(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype,
                        scale: float) -> torch.Tensor:
-    """The tables' blocks, dequantized: [num_seqs, max_blocks, block_size, num_kv_heads, D]."""
-    return dequantize(cache.view(torch.uint8)[block_tables].view(FP8), dtype, scale)
+    """sdpa's gather_kv of an FP8 cache: the tables' blocks, dequantized, as dense keys (or values)
+    [num_seqs, num_kv_heads, max_blocks * block_size, D]."""
+    blocks = cache.view(torch.uint8)[block_tables].view(FP8)  # [seqs, blocks, block_size, H, D]
+    return dequantize(blocks, dtype, scale).flatten(1, 2).transpose(1, 2)

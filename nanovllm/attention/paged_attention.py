@@ -40,9 +40,7 @@ class PagedAttention(nn.Module):
               q_norm: nn.Module | None = None, k_norm: nn.Module | None = None) -> torch.Tensor:
         """qkv [N, num_heads + 2 * num_kv_heads, D]: store the rotated keys and the values; return
         the rotated queries [N, num_heads, D]."""
-        norm = (None, None, 0.0)
-        if q_norm is not None:
-            norm = (q_norm.weight, k_norm.weight, q_norm.eps)
+        norm = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm else (None, None, 0.0)
         if qkv.is_cuda:
             from nanovllm.kernels.store_kv import rope_store  # imports triton: only where it runs
             return rope_store(qkv, positions, self.rotary.cos_sin, self.num_heads, self.k_cache,

@@ -16,9 +16,8 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtyp
     """Dense keys (or values) in dtype: [num_seqs, num_kv_heads, max_blocks * block_size, D]."""
     if cache.dtype != dtype:  # an FP8 cache, dequantized as it is gathered (attention/fp8.py)
         from nanovllm.attention.fp8 import gather_dequantized
-        blocks = gather_dequantized(cache, block_tables, dtype, scale)
-    else:
-        blocks = cache[block_tables]  # [num_seqs, max_blocks, block_size, num_kv_heads, head_dim]
+        return gather_dequantized(cache, block_tables, dtype, scale)
+    blocks = cache[block_tables]  # [num_seqs, max_blocks, block_size, num_kv_heads, head_dim]
     return blocks.flatten(1, 2).transpose(1, 2)
 
 

@@ -55,12 +55,6 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
-    def _ref(self, block_id: int):
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self.free_blocks[block_id]
-        block.ref_count += 1
-
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Ids of the cached blocks that hold the sequence's leading full blocks."""
         if not self.enable_prefix_caching:
@@ -80,11 +74,12 @@ class BlockManager:
         assert not seq.block_table
         hits = self._cached_prefix(seq)
         num_new = num_blocks_for(max(len(seq), num_slots), self.block_size) - len(hits)
-        num_free_hits = sum(self.blocks[b].ref_count == 0 for b in hits)
-        if num_new > self.num_free_blocks - num_free_hits:
+        # hits on free blocks take free blocks too
+        if num_new + sum(self.blocks[b].ref_count == 0 for b in hits) > self.num_free_blocks:
             return False
-        for block_id in hits:
-            self._ref(block_id)
+        for block_id in hits:  # a hit on a free block takes it out of the free list
+            self.free_blocks.pop(block_id, None)
+            self.blocks[block_id].ref_count += 1
         seq.block_table = hits + [self.take_free_block() for _ in range(num_new)]
         seq.num_hashed_blocks = len(hits)
         # a full hit still computes the last prompt token: its logits give the first new token

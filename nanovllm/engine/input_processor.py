@@ -61,6 +61,4 @@ class InputProcessor:
         if need > self.num_kvcache_blocks:
             raise ValueError(f"the request needs {need} KV-cache blocks but the whole cache has "
                              f"{self.num_kvcache_blocks}; lower max_tokens (or n), or enlarge it")
-        seq = Sequence(prompt, params, block_size, max_len)
-        seq.prompt = text
-        return seq
+        return Sequence(prompt, params, block_size, max_len, text)

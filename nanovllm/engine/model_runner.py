@@ -101,9 +101,8 @@ class ModelRunner:
         if not batch.seqs:  # only block moves: nothing sampled, the last step's tokens stay
             return torch.empty(0, dtype=torch.int64), None
         params = [seq.params for seq in batch.seqs]
-        top = None
         if all(p.greedy and not p.penalized and p.logprobs is None for p in params):
-            token_ids = logits.argmax(-1)
+            token_ids, top = logits.argmax(-1), None
         else:  # penalties, temperature, seeds, truncation, log-probabilities: layers/sampler.py
             from nanovllm.layers.sampler import sample_batch
             token_ids, top = sample_batch(logits, batch, self)

@@ -5,7 +5,7 @@ ended sequence is decoded once; a request that streams, or that has stop strings
 it goes (nanovllm/engine/streaming.py).
 """
 import json
-import os
+from pathlib import Path
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.outputs import CompletionOutput, RequestOutput
@@ -14,10 +14,9 @@ from nanovllm.outputs import CompletionOutput, RequestOutput
 def eos_token_ids(model: str, hf_config: dict, tokenizer) -> set[int]:
     """End-of-sequence ids: config.json's, generation_config.json's and the tokenizer's."""
     ids = [hf_config.get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)]
-    path = os.path.join(model, "generation_config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            ids.append(json.load(f).get("eos_token_id"))
+    path = Path(model, "generation_config.json")
+    if path.is_file():
+        ids.append(json.loads(path.read_text()).get("eos_token_id"))
     return {i for x in ids for i in (x if isinstance(x, list) else [x]) if i is not None}
 
 

@@ -83,17 +83,13 @@ class Scheduler:
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
 
-    def _running_groups(self) -> deque[list[Sequence]]:
-        """The running sequences, group by group, oldest group first."""
-        groups: dict[int, list[Sequence]] = {}
-        for seq in self.running:
-            groups.setdefault(id(seq.group), []).append(seq)
-        return deque(groups.values())
-
     def _schedule_running(self, batch: ScheduledBatch, decodes: bool):
         """Every running sequence with a token to compute, while the budget lasts; a group without
         blocks for its next tokens preempts the newest group (itself, if it is the newest)."""
-        groups, kept = self._running_groups(), []
+        by_group: dict[int, list[Sequence]] = {}  # the running sequences, oldest group first
+        for seq in self.running:
+            by_group.setdefault(id(seq.group), []).append(seq)
+        groups, kept = deque(by_group.values()), []
         while groups:
             group = groups.popleft()
             kept.append(group)
@@ -118,10 +114,9 @@ class Scheduler:
         while self.waiting and self.budget > 0 and not (self.swap and self.swap.swapped):
             seq = self.waiting[0]
             width = max(seq.params.n, seq.beam_width) if len(seq.group) == 1 else 1  # forks later
-            if len(self.running) + width > self.config.max_num_seqs:
-                break
-            if not seq.block_table and not self.allocate(seq):
-                break
+            if (len(self.running) + width > self.config.max_num_seqs
+                    or not seq.block_table and not self.allocate(seq)):
+                break  # no room for its sequences, or no blocks for its tokens
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

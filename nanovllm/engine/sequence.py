@@ -30,23 +30,12 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
 
-def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """The KV-cache slots of positions start..end-1: a token's block's first slot plus its
-    offset."""
-    slots = []
-    for b in range(start // block_size, (end - 1) // block_size + 1):  # a run of slots per block
-        first = block_table[b] * block_size
-        offset = b * block_size
-        slots += range(first + max(start - offset, 0), first + min(end - offset, block_size))
-    return slots
-
-
 class Sequence:
     """Token ids, progress and the block table of one generation."""
     _ids = count()
 
     def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int,
-                 max_model_len: int = 1 << 62):
+                 max_model_len: int = 1 << 62, prompt: str | None = None):
         self.seq_id = next(Sequence._ids)
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
@@ -58,11 +47,10 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0    # prompt tokens served from the prefix cache
         self.num_hashed_blocks = 0    # leading full blocks registered in the prefix cache
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
+        self.finish_reason = self.stop_reason = None  # CompletionOutput's (nanovllm/outputs.py)
         self.stream = None            # its text as it goes, if it streams (engine/streaming.py)
         self.request_id: int | str = self.seq_id  # the root's: the request's id, prompt and timings
-        self.prompt, self.prompt_token_ids, self.metrics = None, list(token_ids), None
+        self.prompt, self.prompt_token_ids, self.metrics = prompt, list(token_ids), None
         self.group: list[Sequence] = [self]  # the request's sequences; [0] is the root
         self.sample_index = 0   # which sample of the request (seeds its sampler with the seed)
         self.beam_width = 0     # > 0: a beam; the engine reports candidates, beam search appends

@@ -9,7 +9,6 @@ import torch
 
 from nanovllm.attention import AttentionMetadata
 from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.engine.sequence import slot_mapping
 
 
 @dataclass
@@ -36,11 +35,8 @@ def step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
     for seq, start, n, k in zip(batch.seqs, batch.starts, batch.num_new_tokens, batch.num_samples):
         step.input_ids += seq.token_ids[start:start + n]
         step.positions += range(start, start + n)
-        if n == 1:  # a decode: its one slot, without a function call (hundreds per step)
-            block = seq.block_table[start // block_size]
-            step.slot_mapping.append(block * block_size + start % block_size)
-        else:
-            step.slot_mapping += slot_mapping(seq.block_table, start, start + n, block_size)
+        step.slot_mapping += [seq.block_table[i // block_size] * block_size + i % block_size
+                              for i in range(start, start + n)]  # each token's block, then offset
         step.cu_seqlens_q.append(step.cu_seqlens_q[-1] + n)
         step.context_lens.append(start + n)
         step.sample_rows += [step.cu_seqlens_q[-1] - 1] * k
@@ -54,8 +50,7 @@ def to_tensors(step: StepInputs, device: torch.device):
         return torch.tensor(values, dtype=torch.int32, device=device)
     width = max(map(len, step.block_tables))
     tables = tensor([table + [0] * (width - len(table)) for table in step.block_tables])
-    cu_k = list(accumulate(step.context_lens, initial=0))
-    meta = AttentionMetadata(tensor(step.slot_mapping), tensor(step.cu_seqlens_q), tensor(cu_k),
-                             tensor(step.context_lens), tables, step.num_decodes,
-                             step.cu_seqlens_q, step.context_lens)
+    meta = AttentionMetadata(tensor(step.slot_mapping), tensor(step.cu_seqlens_q),
+                             tensor([0, *accumulate(step.context_lens)]), tensor(step.context_lens),
+                             tables, step.num_decodes, step.cu_seqlens_q, step.context_lens)
     return tensor(step.input_ids), tensor(step.positions), meta, tensor(step.sample_rows)

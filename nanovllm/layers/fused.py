@@ -13,14 +13,10 @@ import torch
 
 
 def fused(fn):
-    compiled = None
+    # compiled at the first CUDA call: compiling imports triton, which must not happen on import
+    compiled = functools.cache(lambda: torch.compile(fn))
 
     @functools.wraps(fn)
     def run(x, *args):
-        nonlocal compiled
-        if not x.is_cuda:
-            return fn(x, *args)
-        if compiled is None:  # lazily: compiling imports triton, which must not happen on import
-            compiled = torch.compile(fn)
-        return compiled(x, *args)
+        return compiled()(x, *args) if x.is_cuda else fn(x, *args)
     return run

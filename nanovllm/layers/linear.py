@@ -13,12 +13,11 @@ class Linear(nn.Module):
         """out_features: the output size, or the sizes of the projections packed in it."""
         super().__init__()
         self.parts = out_features if isinstance(out_features, list) else [out_features]
-        self.weight = nn.Parameter(torch.empty(sum(self.parts), in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.bias = None
-        if bias:
-            self.bias = nn.Parameter(torch.empty(sum(self.parts)), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+        rows = sum(self.parts)
+        self.weight = nn.Parameter(torch.empty(rows, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(rows), requires_grad=False) if bias else None
+        for param in (self.weight, self.bias) if bias else (self.weight,):
+            param.weight_loader = self.weight_loader  # the checkpoint's tensors come through it
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: int = 0):
         """Copy a checkpoint tensor into the rows of projection `part`."""

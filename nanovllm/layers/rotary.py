@@ -26,10 +26,8 @@ class RotaryEmbedding(nn.Module):
         if scaling:
             from nanovllm.layers.rope_scaling import scaled_inv_freq
             inv_freq = scaled_inv_freq(inv_freq, scaling)
-        positions = torch.arange(max_position, dtype=torch.float)
-        freqs = torch.outer(positions, inv_freq)  # [max_position, head_dim / 2]
-        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-        self.register_buffer("cos_sin", cos_sin, persistent=False)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)  # [pos, D / 2]
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], -1), persistent=False)
 
 
 def norm_rope(qk: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,

@@ -5,11 +5,12 @@ the same pre-norm transformer. Attention is PagedAttention's two halves: `write`
 new token's K/V into the paged cache) and `read` (the pluggable backend, over the cache).
 """
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.attention import AttentionBackend, AttentionMetadata
 from nanovllm.attention.paged_attention import PagedAttention
-from nanovllm.layers.activation import silu_and_mul
+from nanovllm.layers.fused import fused
 from nanovllm.layers.linear import Embedding, Linear
 from nanovllm.layers.norm import RMSNorm
 from nanovllm.layers.rotary import RotaryEmbedding, rope_config
@@ -32,6 +33,13 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q = self.attn.write(qkv, positions, meta.slot_mapping, self.q_norm, self.k_norm)
         return self.o_proj(self.attn.read(q, meta).flatten(1))
+
+
+@fused
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate: silu(gate) * up on a packed [gate | up] tensor."""
+    gate, up = x.chunk(2, -1)
+    return F.silu(gate) * up
 
 
 class MLP(nn.Module):
@@ -63,22 +71,6 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, cfg: dict, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool):
-        super().__init__()
-        self.embed_tokens = Embedding(cfg["hidden_size"], cfg["vocab_size"])
-        rotary = RotaryEmbedding(cfg["head_dim"], cfg["max_position_embeddings"], *rope_config(cfg))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, rotary, qkv_bias, qk_norm)
-                                    for _ in range(cfg["num_hidden_layers"]))  # one rotary table
-        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        return self.norm(x, residual)[0]
-
-
 class LlamaForCausalLM(nn.Module):
     # checkpoint name -> (parameter here, projection packed in it)
     packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1),
@@ -89,14 +81,23 @@ class LlamaForCausalLM(nn.Module):
                  qk_norm: bool = False):
         super().__init__()
         qkv_bias = cfg.get("attention_bias", False) if qkv_bias is None else qkv_bias
-        self.model = LlamaModel(cfg, backend, qkv_bias, qk_norm)
+        rotary = RotaryEmbedding(cfg["head_dim"], cfg["max_position_embeddings"], *rope_config(cfg))
+        layers = [DecoderLayer(cfg, backend, rotary, qkv_bias, qk_norm)
+                  for _ in range(cfg["num_hidden_layers"])]  # one rotary table for all
+        self.model = nn.ModuleDict(dict(  # the checkpoint's names: model.layers.<i>.mlp, ...
+            embed_tokens=Embedding(cfg["hidden_size"], cfg["vocab_size"]),
+            layers=nn.ModuleList(layers),
+            norm=RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])))
         self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"])
         if cfg.get("tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         """Hidden states [num_tokens, hidden] of the new tokens; K/V go to the cache on the way."""
-        return self.model(input_ids, positions, meta)
+        x, residual = self.model.embed_tokens(input_ids), None
+        for layer in self.model.layers:
+            x, residual = layer(positions, x, residual, meta)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [N, vocab] (None on tensor-parallel ranks other than 0)."""

@@ -1,22 +1,17 @@
 """Loading weights: every safetensors file of the model directory, through each parameter's
 weight_loader."""
-import glob
-import os
+from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor):
-    param.data.copy_(loaded)
-
-
 def load_model(model: nn.Module, path: str):
     """Copy the checkpoint in `path` into model, sharding and packing as the parameters ask; a
     ValueError naming the file and the tensor for a file that does not read, a tensor of the wrong
     shape, or one that holds NaN or inf."""
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ValueError(f"model={path!r} has no *.safetensors files")
     params = dict(model.named_parameters())
@@ -51,7 +46,7 @@ def load_tensor(model: nn.Module, params: dict, name: str, tensor) -> str:
         raise ValueError(f"tensor {name!r} has no parameter in {type(model).__name__}")
     if tensor.is_floating_point() and not torch.isfinite(tensor).all():
         raise ValueError(f"tensor {name!r} holds NaN or inf")
-    loader = getattr(param, "weight_loader", default_weight_loader)
+    loader = getattr(param, "weight_loader", lambda param, loaded: param.data.copy_(loaded))
     try:
         loader(param, tensor) if shard is None else loader(param, tensor, shard)
     except RuntimeError:
