@@ -38,9 +38,20 @@ def signature(fn, constexprs: dict) -> dict:
     return types
 
 
+def aligned(fn, types: dict) -> dict:
+    """What the JIT knows at a real launch: every pointer, and every integer it specializes on
+    (all strides of these shapes are multiples of 16), divisible by 16. Without it the loads
+    compile to 2-byte scalar loads, not the 16-byte vectors a GPU run gets."""
+    skip = set(fn.do_not_specialize) | {fn.arg_names[i] for i in fn.do_not_specialize
+                                        if isinstance(i, int)}
+    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+            if types[name] != "constexpr" and types[name] != "fp32" and name not in skip}
+
+
 def resources(fn, constexprs: dict, num_warps: int, num_stages: int = 2) -> tuple:
     """(registers per thread, stack bytes per thread, shared bytes, programs per SM)."""
-    src = ASTSource(fn=fn, signature=signature(fn, constexprs), constexprs=constexprs)
+    types = signature(fn, constexprs)
+    src = ASTSource(fn=fn, signature=types, constexprs=constexprs, attrs=aligned(fn, types))
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=num_warps, num_stages=num_stages))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
