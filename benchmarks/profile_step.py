@@ -3,7 +3,8 @@
 Profiles `--steps` engine steps with torch.profiler and prints, per step: the wall time, the host time
 (the wall time less the wait for the GPU's tokens), the time the GPU was busy (the union of its
 kernels) and idle, the GPU time of each kind of kernel, and the host time of the engine's phases.
-The steps are decode steps of `--batch` random prompts of `--context` tokens, with random Qwen3-0.6B
+The steps are decode steps of `--batch` random prompts of `--context` tokens (or of bench.py's
+`--sharing shared-prefix` or `n8` workload, with `--cascade on` or `off`), with random Qwen3-0.6B
 weights, or with `--serving` steps in the middle of a serving run (benchmarks/serving.py: `--trace`,
 `--rate`, `--num-requests`, `--num-kvcache-blocks`), after which it also prints the run's figures and
 the GPU-busy fraction of the whole run (CUDA events around every step's GPU work).
@@ -15,6 +16,7 @@ import contextlib
 import os
 import time
 from collections import defaultdict
+from dataclasses import replace
 from random import randint, seed
 
 import torch
@@ -91,8 +93,10 @@ def gpu_busy_fraction(llm):
 
 
 def report(prof, steps: int, wall: float, host: float, phases: dict, title: str):
-    kernels, intervals, spans = defaultdict(float), [], []
+    kernels, intervals, spans, host_ops = defaultdict(float), [], [], defaultdict(float)
     for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU:
+            host_ops[e.name[:90]] += e.self_cpu_time_total
         if e.name == "step":
             spans.append((e.time_range.start, e.time_range.end))
         elif e.device_type == torch.autograd.DeviceType.CUDA and e.name not in phases and e.name != "step":
@@ -107,6 +111,9 @@ def report(prof, steps: int, wall: float, host: float, phases: dict, title: str)
     print("\n| GPU time per step (us) | kernel |\n|---|---|")
     for name, t in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]:
         print(f"| {t / steps:8.1f} | {name} |")
+    print("\n| host self time per step (us, profiled) | op or range |\n|---|---|")
+    for name, t in sorted(host_ops.items(), key=lambda kv: -kv[1])[:15]:
+        print(f"| {t / steps:8.1f} | {name} |")
 
 
 def instrument(llm) -> dict:
@@ -119,13 +126,20 @@ def instrument(llm) -> dict:
 
 
 def decode_steps(args):
+    cascade = {"disable_cascade_attn": args.cascade == "off"} if args.sharing else {}
     llm = LLM(ARCH, load_format="dummy", skip_tokenizer_init=True, attn_backend=args.attn_backend,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, **cascade)
     seed(0)
     final = {"output_kind": "final"} if "output_kind" in SamplingParams.__dataclass_fields__ else {}
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.steps * 3 + 10, **final)
-    for _ in range(args.batch):
-        llm.add_request([randint(0, 10000) for _ in range(args.context)], params)
+    if args.sharing:  # bench.py's workloads whose sequences share KV blocks (cascade attention)
+        from bench import sharing_requests
+        prompts, shared = sharing_requests(args.sharing, max_tokens=params.max_tokens)
+        for prompt in prompts:
+            llm.add_request(prompt, replace(shared, **final))
+    else:
+        for _ in range(args.batch):
+            llm.add_request([randint(0, 10000) for _ in range(args.context)], params)
     for _ in range(args.steps + 4):  # prefill, then warm up decode
         llm.step()
     wait = waits(llm)
@@ -141,8 +155,10 @@ def decode_steps(args):
                 llm.step()
     if args.chrome_trace:
         prof.export_chrome_trace(args.chrome_trace)
-    report(prof, args.steps, wall, host, phases, f"{args.attn_backend}, decode, batch {args.batch}, context "
-           f"{args.context}, {torch.cuda.get_device_name()}")
+    what = (f"{args.sharing}, cascade {args.cascade}" if args.sharing
+            else f"batch {args.batch}, context {args.context}")
+    report(prof, args.steps, wall, host, phases, f"{args.attn_backend}, decode, {what}, "
+           f"{torch.cuda.get_device_name()}")
 
 
 def serving_steps(args):
@@ -233,6 +249,9 @@ def main():
     parser.add_argument("--serving", action="store_true", help="profile steps of a serving run")
     parser.add_argument("--window-start", type=int, default=600, help="--serving: profile after this step")
     parser.add_argument("--workload", action="store_true", help="time the steps of bench.py's workload")
+    parser.add_argument("--sharing", choices=["shared-prefix", "n8"], default="",
+                        help="decode steps of bench.py's workload of that name (not random prompts)")
+    parser.add_argument("--cascade", choices=["on", "off"], default="on", help="with --sharing")
     parser.add_argument("--chrome-trace", default="", help="also write a Chrome trace to this file")
     args = parser.parse_args()
     if args.workload:
