@@ -9,10 +9,10 @@ KINDS = {float: (int, float), list[str]: (list, tuple), list[int]: (list, tuple)
 
 
 def rule(default, test, allowed: str):
-    """A field with a default (a list default: a fresh one per object) that `check_fields` holds to
-    `test(value)`; `allowed` says what passes."""
+    """A field with a default (a list default: a fresh copy per object) that `check_fields` holds
+    to `test(value)`; `allowed` says what passes."""
     if isinstance(default, list):
-        return field(default_factory=list, metadata={"rule": (test, allowed)})
+        return field(default_factory=lambda: list(default), metadata={"rule": (test, allowed)})
     return field(default=default, metadata={"rule": (test, allowed)})
 
 
