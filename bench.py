@@ -21,6 +21,7 @@ from random import randint, seed
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.metrics import engine_counts
 
 ARCHS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks")
 
@@ -84,8 +85,7 @@ def decode_throughput(llm: LLM, batch: int, length: int) -> float:
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=length, output_kind="final")
     for _ in range(batch):
         llm.add_request([randint(0, 10000) for _ in range(length)], params)
-    # the engine's token counts: log_stats=True's observer (nanovllm/engine/metrics.py)
-    counts = next(o for o in llm.observers if hasattr(o, "num_generation_tokens"))
+    counts = engine_counts(llm)  # the engine's token counts (log_stats=True)
     base = counts.num_generation_tokens
     while counts.num_generation_tokens - base < batch:  # prefill (every request's first token)
         llm.step()

@@ -128,11 +128,12 @@ def drive(llm: LLM, requests: list[tuple[int, int]], arrivals: list[float], voca
     legacy = "output_kind" not in SamplingParams.__dataclass_fields__  # before RequestOutputs
     index_of, done, arrived, timeline, samples = {}, {}, [], [], []
     running = max_running = steps = nxt = 0
-    # log_stats' counts (engine/metrics.py: an observer, or an older engine's `stats`), or an older
-    # engine's output processor's, or none
-    observers = [o for o in getattr(llm, "observers", []) if hasattr(o, "num_generation_tokens")]
-    counts = (observers or [None])[0] or getattr(llm, "stats", None)
-    counts = counts or getattr(llm, "output_processor", None)
+    # log_stats' counts (engine/metrics.py), or an older engine's `stats` or output processor's
+    if hasattr(llm, "observers"):
+        from nanovllm.engine.metrics import engine_counts
+        counts = engine_counts(llm)
+    else:
+        counts = getattr(llm, "stats", None) or getattr(llm, "output_processor", None)
     generated0, last_sample = getattr(counts, "num_generation_tokens", 0), -math.inf
     preemptions0 = llm.scheduler.num_preemptions
     start = time.monotonic()

@@ -69,3 +69,8 @@ class Stats:
         for out in outputs:
             if out.finished and out.metrics is not None:
                 out.metrics.finished_time = now
+
+
+def engine_counts(engine) -> Stats | None:
+    """The engine's token counts: its Stats observer (log_stats=True), or None."""
+    return next((o for o in engine.observers if isinstance(o, Stats)), None)

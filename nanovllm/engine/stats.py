@@ -15,8 +15,8 @@ def engine_stats(engine) -> dict:
         "num_preemptions": scheduler.num_preemptions,  # recomputed and swapped out together
         "num_swapped_out": swap.num_swapped_out_groups if swap else 0,
     }
-    from nanovllm.engine.metrics import Stats
-    counts = next((o for o in engine.observers if isinstance(o, Stats)), None)
+    from nanovllm.engine.metrics import engine_counts
+    counts = engine_counts(engine)
     if counts is not None:
         stats.update({
             "prefix_cache_hit_rate": counts.num_cached_tokens / max(1, counts.num_prompt_tokens),
