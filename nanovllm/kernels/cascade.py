@@ -118,13 +118,14 @@ def _shared_prefix(
         k = tl.load(k_ptr + kv_offsets, mask=key_mask[:, None], other=0.0).to(DOT_DTYPE)
         v = widen_v(tl.load(v_ptr + kv_offsets, mask=key_mask[:, None], other=0.0), DOT_DTYPE,
                     FP8_ASM)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [ROWS_PAD, BLOCK_N], log2 units
+        # log2 units; ieee: float32 inputs stay float32, not TF32 (16- and 8-bit ones ignore it)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [ROWS_PAD, BLOCK_N]
         s = tl.where(key_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
     slot = NUM_SPLITS + split  # after the row's own splits

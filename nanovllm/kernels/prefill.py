@@ -45,7 +45,8 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n, k_len
     # [BLOCK_N, D]
     k = tl.load(k_ptr + rows[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
     k = k.to(q.dtype)
-    s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+    # log2 units; ieee: float32 inputs stay float32, not TF32 (16- and 8-bit ones ignore it)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
     if CAUSAL_MASK:
         s = tl.where((keys[None, :] <= q_pos[:, None]) & key_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -54,7 +55,7 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, block_table_row, start_n, k_len
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_ptr + rows[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
     v = widen_v(v, q.dtype, FP8_ASM)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return acc, m_new, l_i
 
 
