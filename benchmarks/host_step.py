@@ -7,13 +7,12 @@ the sharing workloads broke it on an H100: benchmarks/results/h100_session7_casc
 The host's Python does not need the GPU: this runs a tiny random Qwen3 on the CPU (sdpa) with the
 workload's real batch (bench.py's prompts, 256 decode rows) and times, per step, the engine's own
 phases (schedule, step_inputs, update, outputs) and, on that step's inputs, the parts that only run
-on CUDA: the graph upload's list building (cuda_graphs.upload, without pinning), its unpacking, the
-cascade plan (attention/cascade.py) and the sampling settings (layers/sampler.py). What it cannot
-time is what the CUDA calls themselves cost the host (launches, copies, a call that blocks):
-profile_step.py's host-ops table on a GPU shows those.
+on CUDA: the graph upload's list building (cuda_graphs.upload; here without pinning), its
+unpacking, the cascade plan (attention/cascade.py) and the sampling settings (layers/sampler.py).
+What it cannot time is what the CUDA calls themselves cost the host (launches, copies, a call that
+blocks): profile_step.py's host-ops table on a GPU shows those.
 """
 import argparse
-import contextlib
 import os
 import sys
 import tempfile
@@ -52,17 +51,6 @@ def mean_us(fn, repeats: int = 50) -> float:
     return (time.perf_counter() - start) / repeats * 1e6
 
 
-@contextlib.contextmanager
-def no_pinning():
-    """torch.tensor(..., pin_memory=True) as a plain tensor: pinned memory needs CUDA."""
-    plain = torch.tensor
-    torch.tensor = lambda *args, pin_memory=False, **kwargs: plain(*args, **kwargs)
-    try:
-        yield
-    finally:
-        torch.tensor = plain
-
-
 def requests(workload: str, context: int, batch: int, max_tokens: int):
     if workload != "random":
         prompts, params = sharing_requests(workload, max_tokens=max_tokens)
@@ -85,7 +73,8 @@ def main():
     with tempfile.TemporaryDirectory() as path:
         Qwen3ForCausalLM(config).save_pretrained(path)
         # run ahead as on CUDA (engine/run_ahead.py)
-        llm = LLM(path, skip_tokenizer_init=True, num_kvcache_blocks=3000, async_scheduling=True)
+        llm = LLM(path, skip_tokenizer_init=True, num_kvcache_blocks=3000, async_scheduling=True,
+                  device="cpu")
         prompts, params = requests(args.workload, args.context, args.batch, args.steps * 2 + 20)
         for prompt, p in zip(prompts, params):
             llm.add_request(prompt, replace(p, output_kind="final"))
@@ -106,9 +95,8 @@ def main():
         width = -(-llm.config.max_model_len // llm.config.kvcache_block_size)  # as a graph's tables
         sizes = (step.num_decodes, step.num_decodes, 0, width)
         into = torch.zeros(sum(cuda_graphs.field_sizes(*sizes)) + len(step.sample_rows), dtype=torch.int32)
-        with no_pinning():
-            upload = mean_us(lambda: cuda_graphs.upload(step, sizes, into))
-            flat = cuda_graphs.upload(step, sizes, into)
+        upload = mean_us(lambda: cuda_graphs.upload(step, sizes, into))  # on CPU: not pinned
+        flat = cuda_graphs.upload(step, sizes, into)
         lengths = cuda_graphs.step_sizes(step)
         unpack = mean_us(lambda: cuda_graphs.unpack(flat, sizes, lengths, step.num_decodes, step))
         copies, members = BlockCopies(llm.config.kvcache_block_size), members_per_tile(2)
@@ -116,8 +104,7 @@ def main():
             step.block_tables, step.context_lens, step.num_decodes, llm.config.kvcache_block_size,
             members, copies)))
         rows = [(s, s.sample_index + j) for s, k in zip(batch.seqs, batch.num_samples) for j in range(k)]
-        with no_pinning():
-            sampling = mean_us(lambda: SamplingTensors.of(rows, config.vocab_size, torch.device("cpu")))
+        sampling = mean_us(lambda: SamplingTensors.of(rows, config.vocab_size, torch.device("cpu")))
     print(f"{args.workload}: {step.num_decodes} decode rows, contexts {min(step.context_lens)} to "
           f"{max(step.context_lens)} keys, this machine's CPU\n")
     print("| host work per step | us |\n|---|---:|")

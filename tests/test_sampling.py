@@ -199,3 +199,20 @@ def test_kernel_greedy_rows_seeds_and_dtypes():
     assert kernel_draws(hot, row, seed=1).tolist() != kernel_draws(hot, row, seed=2).tolist()
     half = logits.to(torch.bfloat16)
     assert kernel_draws(temps, half, seed=5)[::2].tolist() == half.float().argmax(-1)[::2].tolist()
+
+
+def test_settings_per_row_from_shared_and_distinct_params():
+    """SamplingTensors.of reads each distinct SamplingParams once: every row still gets its own."""
+    from nanovllm.engine.sequence import Sequence
+    hot, greedy = SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)
+    seeded, top_k = SamplingParams(temperature=1.3, seed=5), SamplingParams(top_k=1)
+    seqs = [Sequence([1, 2, 3], p, 4) for p in (hot, greedy, hot, seeded, top_k, hot)]
+    rows = [(seq, 0) for seq in seqs] + [(seqs[3], 1)]  # the seeded request's second sample
+    t = SamplingTensors.of(rows, 100, torch.device("cpu"))
+    assert t.temperatures.dtype == torch.float32
+    assert t.temperatures.tolist() == pytest.approx([0.7, 0, 0.7, 1.3, 0, 0.7, 1.3])
+    assert [row for row, _ in t.seeds] == [3, 6] and t.seeds[0][1] != t.seeds[1][1]
+    assert not t.all_greedy and t.truncation is not None
+    t = SamplingTensors.of(rows[1:2], 100, torch.device("cpu"))
+    assert t.all_greedy and t.truncation is None and not t.seeds
+    assert SamplingTensors.of([], 100, torch.device("cpu")).temperatures.shape == (0,)

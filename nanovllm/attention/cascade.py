@@ -24,6 +24,7 @@ import triton
 
 from nanovllm.kernels.cascade import cascade_scratch, members_per_tile
 from nanovllm.kernels.decode import decode_config, num_decode_splits
+from nanovllm.utils.pinned import host_tensor
 
 # of the decode keys: on an H200 at batch 256, cascade broke even between 0.25 and 0.4 of the keys
 # saved (0.89x to 1.04x), and gave 1.5x to 2x at 0.6 to 0.8 (benchmarks/cascade_kernels.py)
@@ -198,10 +199,10 @@ class Cascade:
         return twin
 
     def upload(self, values: list[int], runner, into: torch.Tensor | None = None) -> torch.Tensor:
-        pinned = torch.tensor(values, dtype=torch.int32, pin_memory=runner.device.type == "cuda")
+        host = host_tensor(values, torch.int32, pin=runner.device.type == "cuda")
         if into is None:
-            return pinned.to(runner.device, non_blocking=True)
-        return into.copy_(pinned, non_blocking=True)
+            return host.to(runner.device, non_blocking=True)
+        return into.copy_(host, non_blocking=True)
 
     def capture(self, runner, graph) -> tuple:
         """A decode graph's twin that runs cascade attention: the same inputs, plus a plan buffer

@@ -25,6 +25,7 @@ from nanovllm.attention import AttentionMetadata
 from nanovllm.engine.sequence import num_blocks_for
 from nanovllm.engine.step_inputs import StepInputs
 from nanovllm.kernels.prefill import QUERY_TILE, query_tiles
+from nanovllm.utils.pinned import host_tensor
 
 
 def step_sizes(step: StepInputs) -> tuple[int, int, int, int]:
@@ -55,8 +56,8 @@ def upload(step: StepInputs, sizes: tuple, into: torch.Tensor) -> torch.Tensor:
     flat = []
     for values, size, pad in zip(fields, field_sizes(*sizes), pads):
         flat += values + [pad] * (size - len(values))
-    pinned = torch.tensor(flat + step.sample_rows, dtype=torch.int32, pin_memory=True)
-    return into[:pinned.numel()].copy_(pinned, non_blocking=True)
+    host = host_tensor(flat + step.sample_rows, torch.int32, pin=into.is_cuda)
+    return into[:host.numel()].copy_(host, non_blocking=True)
 
 
 def unpack(flat: torch.Tensor, layout: tuple, lengths: tuple, num_decodes: int,
