@@ -10,11 +10,14 @@ random weights; `--tp 2` splits it over 2 GPUs.
 `--workload shared-prefix` (16 system prompts of 1,024 tokens, 16 requests each with 32 tokens of
 their own) and `--workload n8` (32 prompts of 2,000 tokens, n=8 samples each): 256 sequences of 256
 output tokens, run with cascade attention on and off (`--cascade`, a row each; attention/cascade.py).
+`--repeat 3` runs every configuration three times, in turn, and prints the medians: runs whose steps
+wait on the host (cascade on, at batch 256) vary from one process to the next.
 """
 import argparse
 import gc
 import importlib.util
 import os
+import statistics
 import time
 from random import randint, seed
 
@@ -145,16 +148,19 @@ def main():
                         help="cascade attention (triton); default: on and off for shared-prefix and n8")
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8"],
                         help="KV cache dtypes, each with every backend (fp8: triton, sdpa)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run every configuration this many times, in turn (a fresh engine each): "
+                             "host-bound runs vary from one process to the next; medians at the end")
     args = parser.parse_args()
     if args.attn_backend is None:
         flash = importlib.util.find_spec("flash_attn") is not None
         args.attn_backend = (["flash"] if flash else []) + ["triton"] if torch.cuda.is_available() else ["sdpa"]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     model = args.model or f"{args.arch} (random weights)"
-    rows = []
+    rows, rates = [], {}
     cascades = args.cascade or (["on"] if args.workload == "nano-vllm" else ["on", "off"])
-    for backend, kv_dtype, cascade in [(b, d, c) for b in args.attn_backend
-                                       for d in args.kv_cache_dtype for c in cascades]:
+    for _, backend, kv_dtype, cascade in [(r, b, d, c) for r in range(args.repeat) for b in args.attn_backend
+                                          for d in args.kv_cache_dtype for c in cascades]:
         name = backend if kv_dtype == "auto" else f"{backend} {kv_dtype}"
         name += f", cascade {cascade}" if backend == "triton" and args.cascade or len(cascades) > 1 else ""
         if not args.table:
@@ -168,6 +174,7 @@ def main():
                 tokens, seconds = sharing_workload(llm, args.workload)
             print_cascade(llm, name)
             rows.append(f"| {name} | {tokens} | {seconds:.2f} | {tokens / seconds:,.0f} |")
+            rates.setdefault(name, []).append(tokens / seconds)
         else:
             grid = dict(max_model_len=2 * max(args.lengths), max_num_seqs=max(args.batches),
                         log_stats=True)
@@ -197,6 +204,9 @@ def main():
     else:
         print("| backend | output tokens | seconds | tokens/s |\n|---|---|---|---|")
     print("\n".join(rows))
+    if args.repeat > 1:
+        print(f"\nmedian of {args.repeat} runs, tokens/s: " + ", ".join(
+            f"{name} {statistics.median(r):,.0f} ({min(r):,.0f}-{max(r):,.0f})" for name, r in rates.items()))
 
 
 if __name__ == "__main__":

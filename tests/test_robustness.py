@@ -685,3 +685,19 @@ def test_cpu_bench_command_runs():
     assert result.returncode == 0, result.stderr[-2000:]
     row = result.stdout.strip().splitlines()[-1]
     assert row.startswith("| sdpa | ") and int(row.split("|")[2]) == 4 * 8  # 4 requests of 8 tokens
+
+
+def test_cpu_bench_repeats_each_configuration():
+    """--repeat: every configuration runs again in a fresh engine; the medians come last."""
+    command = [sys.executable, "bench.py", "--attn-backend", "sdpa", "--arch", "SmolLM2-135M",
+               "--num-seqs", "2", "--max-input-len", "16", "--max-output-len", "4", "--repeat", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, check=False, cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    table = lines[lines.index("|---|---|---|---|") + 1:-2]
+    assert len(table) == 2 and all(row.startswith("| sdpa | 8 |") for row in table), lines
+    rates = [float(row.split("|")[4].replace(",", "")) for row in table]
+    median = float(lines[-1].split("sdpa ")[1].split(" ")[0].replace(",", ""))
+    assert lines[-1].startswith("median of 2 runs") and median == pytest.approx(sum(rates) / 2, abs=1)
