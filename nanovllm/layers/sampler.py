@@ -25,22 +25,19 @@ class SamplingTensors:
 
     @classmethod
     def of(cls, rows: list, vocab_size: int, device: torch.device) -> "SamplingTensors":
-        """The settings of (sequence, sample index) rows; truncation only where some row asks.
-        A batch holds few distinct SamplingParams (one per request at most): each is read once."""
+        """The settings of (sequence, sample index) rows; truncation only where some row asks."""
         params = [seq.params for seq, _ in rows]
-        distinct = {id(p): p for p in params}.values()
-        temperature = {id(p): 0.0 if p.greedy else p.temperature for p in distinct}
-        temperatures = [temperature[id(p)] for p in params]
+        temperatures = [0.0 if p.greedy else p.temperature for p in params]
         host = host_tensor(temperatures, torch.float32, pin=device.type == "cuda")
         truncation = None
-        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in distinct):
+        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
             from nanovllm.layers.truncation import Truncation
             truncation = Truncation.of(params, vocab_size, device)
         seeds = [(i, hash((p.seed, k, len(seq))) & (2**63 - 1))  # ints: the same in every process
                  for i, (p, (seq, k)) in enumerate(zip(params, rows))
                  if p.seed is not None and not p.greedy]
-        return cls(host.to(device, non_blocking=True), seeds,
-                   all(t == 0 for t in temperature.values()), truncation)
+        return cls(host.to(device, non_blocking=True), seeds, all(t == 0 for t in temperatures),
+                   truncation)
 
 
 def sample_batch(logits: torch.Tensor, batch, runner) -> tuple[torch.Tensor, list | None]:
@@ -50,16 +47,15 @@ def sample_batch(logits: torch.Tensor, batch, runner) -> tuple[torch.Tensor, lis
     (layers/logprobs.py)."""
     rows = [(seq, seq.sample_index + j)
             for seq, k in zip(batch.seqs, batch.num_samples) for j in range(k)]
-    distinct = {id(seq.params): seq.params for seq, _ in rows}.values()
     scores = logits
-    if any(p.penalized for p in distinct):
+    if any(seq.params.penalized for seq, _ in rows):
         from nanovllm.layers import penalties
         positions = [p for _, _, p in batch.sampled]
         scores = penalties.apply(logits, rows, positions, runner.eos_token_ids, runner.last_tokens)
     vocab_size = runner.config.hf_config["vocab_size"]
     token_ids = sample(scores, SamplingTensors.of(rows, vocab_size, logits.device))
     top = None
-    if any(p.logprobs is not None for p in distinct):
+    if any(seq.params.logprobs is not None for seq, _ in rows):
         from nanovllm.layers.logprobs import logprobs
         top = logprobs(logits, token_ids, [seq.params.logprobs for seq, _ in rows])
     return token_ids, top
