@@ -8,8 +8,8 @@ for part in $parts; do
   log=$out/$part.log
   case $part in
     kernels) timeout 150 python3 benchmarks/cascade_kernels.py --sweep > "$log" 2>&1 ;;
-    bench) for w in shared-prefix n8; do
-             timeout 150 python3 bench.py --attn-backend triton --workload $w >> "$log" 2>&1
+    bench) for w in shared-prefix n8; do  # 3 runs each: host-bound runs vary per process
+             timeout 400 python3 bench.py --attn-backend triton --workload $w --repeat 3 >> "$log" 2>&1
            done ;;
     profile) timeout 200 python3 benchmarks/cascade_profile.py --workload shared-prefix n8 \
                --cascade on off > "$log" 2>&1 ;;
@@ -18,6 +18,6 @@ for part in $parts; do
     tests) timeout 200 python3 -m pytest -q tests/ -k cascade -p no:cacheprovider > "$log" 2>&1 ;;
   esac
   grep -v "^$\|[Ww]arn\|^|---\|^| *[0-9.]* | void\|Memcpy\|Memset\|^| *[0-9]\.[0-9] |" "$log" \
-    | grep "|\|passed\|failed\|Error\|per step\|: _\|^[A-Za-z0-9 ,-]*, cascade" | tail -70
+    | grep "|\|passed\|failed\|Error\|per step\|median\|: _\|^[A-Za-z0-9 ,-]*, cascade" | tail -70
   echo "== $part done"
 done
