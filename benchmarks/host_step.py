@@ -51,6 +51,11 @@ def mean_us(fn, repeats: int = 50) -> float:
     return (time.perf_counter() - start) / repeats * 1e6
 
 
+def followed(copies: BlockCopies, step):
+    copies.update(step)
+    return step
+
+
 def requests(workload: str, context: int, batch: int, max_tokens: int):
     if workload != "random":
         prompts, params = sharing_requests(workload, max_tokens=max_tokens)
@@ -78,6 +83,10 @@ def main():
         prompts, params = requests(args.workload, args.context, args.batch, args.steps * 2 + 20)
         for prompt, p in zip(prompts, params):
             llm.add_request(prompt, replace(p, output_kind="final"))
+        # the copies the cascade follows (attention/cascade.py) build up over the run: every step's
+        copies = BlockCopies(llm.config.kvcache_block_size)
+        step_inputs = llm.model_runner.step_inputs
+        llm.model_runner.step_inputs = lambda batch: followed(copies, step_inputs(batch))
         running = llm.scheduler.running
         while len(running) < len(prompts) * params[0].n or any(
                 len(s.token_ids) - s.num_computed_tokens > 1 for s in running):
@@ -86,7 +95,10 @@ def main():
         phases = defaultdict(float)
         for name in ("schedule", "update"):
             timed(llm.scheduler, name, phases)
+        llm.model_runner.step_inputs = step_inputs  # timed without the copies' bookkeeping
         timed(llm.model_runner, "step_inputs", phases)
+        timed_inputs = llm.model_runner.step_inputs
+        llm.model_runner.step_inputs = lambda batch: followed(copies, timed_inputs(batch))
         timed(llm.output_processor, "outputs", phases)
         for _ in range(args.steps):
             llm.step()
@@ -99,7 +111,7 @@ def main():
         flat = cuda_graphs.upload(step, sizes, into)
         lengths = cuda_graphs.step_sizes(step)
         unpack = mean_us(lambda: cuda_graphs.unpack(flat, sizes, lengths, step.num_decodes, step))
-        copies, members = BlockCopies(llm.config.kvcache_block_size), members_per_tile(2)
+        members = members_per_tile(2)
         plan = mean_us(lambda: (copies.update(step), plan_tiles(
             step.block_tables, step.context_lens, step.num_decodes, llm.config.kvcache_block_size,
             members, copies)))
