@@ -83,23 +83,21 @@ def main():
         prompts, params = requests(args.workload, args.context, args.batch, args.steps * 2 + 20)
         for prompt, p in zip(prompts, params):
             llm.add_request(prompt, replace(p, output_kind="final"))
-        # the copies the cascade follows (attention/cascade.py) build up over the run: every step's
-        copies = BlockCopies(llm.config.kvcache_block_size)
-        step_inputs = llm.model_runner.step_inputs
-        llm.model_runner.step_inputs = lambda batch: followed(copies, step_inputs(batch))
+        phases = defaultdict(float)
+        for name in ("schedule", "update"):
+            timed(llm.scheduler, name, phases)
+        timed(llm.model_runner, "step_inputs", phases)
+        timed(llm.output_processor, "outputs", phases)
+        # the copies the cascade follows (attention/cascade.py) build up over the run, as the
+        # engine's do: every step's, outside the timing
+        copies, timed_inputs = BlockCopies(llm.config.kvcache_block_size), llm.model_runner.step_inputs
+        llm.model_runner.step_inputs = lambda batch: followed(copies, timed_inputs(batch))
         running = llm.scheduler.running
         while len(running) < len(prompts) * params[0].n or any(
                 len(s.token_ids) - s.num_computed_tokens > 1 for s in running):
             llm.step()  # prefill, until every sequence decodes
             running = llm.scheduler.running
-        phases = defaultdict(float)
-        for name in ("schedule", "update"):
-            timed(llm.scheduler, name, phases)
-        llm.model_runner.step_inputs = step_inputs  # timed without the copies' bookkeeping
-        timed(llm.model_runner, "step_inputs", phases)
-        timed_inputs = llm.model_runner.step_inputs
-        llm.model_runner.step_inputs = lambda batch: followed(copies, timed_inputs(batch))
-        timed(llm.output_processor, "outputs", phases)
+        phases.clear()  # the decode steps' times only
         for _ in range(args.steps):
             llm.step()
         batch = llm.scheduler.schedule()  # one more decode step, not run: its inputs are timed
