@@ -204,7 +204,7 @@ def main():
     else:
         print("| backend | output tokens | seconds | tokens/s |\n|---|---|---|---|")
     print("\n".join(rows))
-    if args.repeat > 1:
+    if args.repeat > 1 and rates:  # (--table prints each grid instead)
         print(f"\nmedian of {args.repeat} runs, tokens/s: " + ", ".join(
             f"{name} {statistics.median(r):,.0f} ({min(r):,.0f}-{max(r):,.0f})" for name, r in rates.items()))
 
