@@ -201,9 +201,11 @@ class CUDAGraphs:
         hidden states of the rows that sample."""
         graph = self.find(step)
         flat = upload(step, graph.sizes, graph.inputs)
-        input_ids, _, meta = unpack(flat, graph.sizes, step_sizes(step), step.num_decodes, step)
-        if min(step.input_ids) < 0:
-            runner.fill_placeholders(input_ids)
+        if min(step.input_ids) < 0:  # the token ids lead the upload
+            runner.fill_placeholders(flat[:len(step.input_ids)])
+        meta = None  # a whole graph reads its inputs where they were uploaded; the eager attention
+        if isinstance(graph, PiecewiseGraph):  # between pieces takes views of them
+            meta = unpack(flat, graph.sizes, step_sizes(step), step.num_decodes, step)[2]
         if runner.backend.cascade is not None:  # perhaps its twin that reads shared prefixes once
             graph = runner.backend.cascade.prepare(runner, step, meta, graph)
         hidden = graph.replay(meta)

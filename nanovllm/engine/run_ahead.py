@@ -18,7 +18,7 @@ from nanovllm.engine.requeue import lose
 def fill_placeholders(input_ids: torch.Tensor, last_tokens: torch.Tensor):
     """Replace (in place) each placeholder in input_ids by the token the last step sampled at its
     row."""
-    rows = (-input_ids - 1).clamp(min=0)
+    rows = (-1 - input_ids).clamp(min=0)
     torch.where(input_ids < 0, last_tokens[rows].to(input_ids.dtype), input_ids, out=input_ids)
 
 
