@@ -63,12 +63,14 @@ class BlockCopies:
         if not self.source:
             return
         lowest = {gpu: 0 for _, gpu in step.swap_in}  # block -> lowest slot written
-        for row, table in enumerate(step.block_tables):
-            end = step.context_lens[row]
-            start = end - (step.cu_seqlens_q[row + 1] - step.cu_seqlens_q[row])
-            for i in range(start // bs, -(-end // bs)):  # the blocks of keys start..end-1
-                slot = start - i * bs if i == start // bs else 0
-                lowest[table[i]] = min(lowest.get(table[i], bs), slot)
+        cu = step.cu_seqlens_q
+        for row, (table, end) in enumerate(zip(step.block_tables, step.context_lens)):
+            start = end - cu[row + 1] + cu[row]
+            slot = start % bs  # keys start..end-1: their first block from this slot, then whole
+            for block in table[start // bs:-(-end // bs)]:
+                if slot < lowest.get(block, bs):
+                    lowest[block] = slot
+                slot = 0
         for block, entry in list(self.source.items()):
             entry[1] = min(entry[1], lowest.get(block, bs), lowest.get(entry[0], bs))
             if entry[1] == 0:
@@ -82,13 +84,15 @@ class BlockCopies:
 
     def equal_slots(self, blocks: list[int]) -> int:
         """How many leading slots hold the same keys in all these blocks (0: none known)."""
-        roots, slots = set(), self.block_size
+        root, slots = None, self.block_size
         for block in blocks:
             while block in self.source:
                 block, equal = self.source[block]
                 slots = min(slots, equal)
-            roots.add(block)
-        return slots if len(roots) == 1 else 0
+            if root is not None and block != root:
+                return 0  # copies of different blocks
+            root = block
+        return slots
 
 
 def plan_tiles(block_tables: list[list[int]], context_lens: list[int], num_decodes: int,
