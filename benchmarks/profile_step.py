@@ -128,7 +128,7 @@ def instrument(llm) -> dict:
 def decode_steps(args):
     cascade = {"disable_cascade_attn": args.cascade == "off"} if args.sharing else {}
     llm = LLM(ARCH, load_format="dummy", skip_tokenizer_init=True, attn_backend=args.attn_backend,
-              enforce_eager=args.enforce_eager, **cascade)
+              enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype, **cascade)
     seed(0)
     final = {"output_kind": "final"} if "output_kind" in SamplingParams.__dataclass_fields__ else {}
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.steps * 3 + 10, **final)
@@ -157,6 +157,7 @@ def decode_steps(args):
         prof.export_chrome_trace(args.chrome_trace)
     what = (f"{args.sharing}, cascade {args.cascade}" if args.sharing
             else f"batch {args.batch}, context {args.context}")
+    what += f", KV cache {args.kv_cache_dtype}"
     report(prof, args.steps, wall, host, phases, f"{args.attn_backend}, decode, {what}, "
            f"{torch.cuda.get_device_name()}")
 
@@ -211,7 +212,7 @@ def workload_steps(args):
     """Time each step of nano-vllm's workload; print seconds by step kind and decode batch size."""
     from bench import nano_vllm_requests
     llm = LLM(ARCH, load_format="dummy", skip_tokenizer_init=True, attn_backend=args.attn_backend,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype)
     prompts, params = nano_vllm_requests()
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
     times, schedule = defaultdict(lambda: [0, 0.0]), llm.scheduler.schedule
@@ -252,6 +253,7 @@ def main():
     parser.add_argument("--sharing", choices=["shared-prefix", "n8"], default="",
                         help="decode steps of bench.py's workload of that name (not random prompts)")
     parser.add_argument("--cascade", choices=["on", "off"], default="on", help="with --sharing")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--chrome-trace", default="", help="also write a Chrome trace to this file")
     args = parser.parse_args()
     if args.workload:
