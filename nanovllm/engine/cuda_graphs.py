@@ -47,11 +47,12 @@ def upload(step: StepInputs, sizes: tuple, into: torch.Tensor) -> torch.Tensor:
     """Copy the step's fields into a graph's flat int32 inputs, laid out and padded to the graph's
     `sizes`: padding tokens write nowhere (slot -1), padding sequences have no tokens and no keys,
     padding tiles no sequence. The sampled rows' token indices follow."""
-    width = sizes[3]
-    cu_k = list(accumulate(step.context_lens, initial=0))
+    cu_k, tables = list(accumulate(step.context_lens, initial=0)), []
+    for table in step.block_tables:  # each padded to the graph's width (a row at a time: faster)
+        tables += table
+        tables += [0] * (sizes[3] - len(table))
     fields = [step.input_ids, step.positions, step.slot_mapping, step.cu_seqlens_q, cu_k,
-              step.context_lens, query_tiles(step.cu_seqlens_q, step.num_decodes),
-              [b for table in step.block_tables for b in table + [0] * (width - len(table))]]
+              step.context_lens, query_tiles(step.cu_seqlens_q, step.num_decodes), tables]
     pads = [0, 0, -1, step.cu_seqlens_q[-1], cu_k[-1], 0, -1, 0]
     flat = []
     for values, size, pad in zip(fields, field_sizes(*sizes), pads):

@@ -89,15 +89,16 @@ class Scheduler:
         by_group: dict[int, list[Sequence]] = {}  # the running sequences, oldest group first
         for seq in self.running:
             by_group.setdefault(id(seq.group), []).append(seq)
-        groups, kept = deque(by_group.values()), []
+        groups, kept, blocks = deque(by_group.values()), [], self.block_manager
+        # blocks for every running sequence's tokens: then no group needs checking on its own
+        fits = blocks.num_blocks_to_append(self.running) <= blocks.num_free_blocks
         while groups:
             group = groups.popleft()
             kept.append(group)
             seqs = [s for s in group if runnable(s, decodes)]
             if not seqs or self.budget < len(seqs):
                 continue
-            blocks = self.block_manager
-            while blocks.num_blocks_to_append(seqs) > blocks.num_free_blocks:
+            while not fits and blocks.num_blocks_to_append(seqs) > blocks.num_free_blocks:
                 victim = groups.pop() if groups else kept.pop()
                 self.preempt(victim, batch)
                 if victim is group:

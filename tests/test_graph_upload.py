@@ -1,0 +1,42 @@
+"""A CUDA graph's one-copy upload (engine/cuda_graphs.py), checked on the CPU: read back through
+`unpack`, it holds what `to_tensors` builds field by field, and its padding is inert (padding tokens
+write to slot -1, padding sequences have no tokens and no keys, padding tiles no sequence)."""
+import torch
+
+from nanovllm.engine.cuda_graphs import CUDAGraphs, field_sizes, step_sizes, unpack, upload
+from nanovllm.engine.step_inputs import StepInputs, to_tensors
+from nanovllm.kernels.prefill import QUERY_TILE
+
+
+def mixed_step() -> StepInputs:
+    """Two decodes (tables of 3 and 1 blocks), then a 70-token prefill chunk (2 blocks)."""
+    return StepInputs(input_ids=[5, -2] + list(range(100, 170)),
+                      positions=[40, 7] + list(range(70)),
+                      slot_mapping=[50, 301] + list(range(400, 470)), cu_seqlens_q=[0, 1, 2, 72],
+                      context_lens=[41, 8, 70], block_tables=[[3, 9, 2], [18], [25, 26]],
+                      num_decodes=2, sample_rows=[0, 1, 71])
+
+
+def test_upload_reads_back_as_to_tensors_with_inert_padding():
+    step = mixed_step()
+    layout = CUDAGraphs.sizes("mixed", 128, max_seqs=8, width=6)
+    into = torch.full((sum(field_sizes(*layout)) + 8,), 12345, dtype=torch.int32)
+    flat = upload(step, layout, into)
+    assert flat.data_ptr() == into.data_ptr()
+    ids, positions, meta = unpack(flat, layout, step_sizes(step), step.num_decodes, step)
+    want_ids, want_positions, want, want_rows = to_tensors(step, torch.device("cpu"))
+    assert ids.tolist() == want_ids.tolist() and positions.tolist() == want_positions.tolist()
+    for name in ("slot_mapping", "cu_seqlens_q", "cu_seqlens_k", "context_lens", "block_tables"):
+        assert getattr(meta, name).tolist() == getattr(want, name).tolist(), name
+    assert meta.query_tiles.tolist() == [[2, 1], [2, 0]]  # the chunk's 2 tiles, last one first
+    assert flat[len(flat) - len(step.sample_rows):].tolist() == want_rows.tolist()
+    # the whole layout, padding included, as the graph reads it
+    tokens, seqs, tiles, width = layout
+    full = unpack(flat, layout, (tokens, seqs, tiles, width), step.num_decodes)[2]
+    assert full.slot_mapping[72:].eq(-1).all()  # padding tokens write nowhere
+    assert full.cu_seqlens_q[3:].eq(72).all() and full.cu_seqlens_k[3:].eq(41 + 8 + 70).all()
+    assert full.context_lens[3:].eq(0).all()
+    assert full.query_tiles[2:].eq(-1).all()  # no sequence
+    assert full.block_tables.tolist()[:3] == [[3, 9, 2, 0, 0, 0], [18, 0, 0, 0, 0, 0],
+                                              [25, 26, 0, 0, 0, 0]]
+    assert tiles == 128 // QUERY_TILE + seqs
