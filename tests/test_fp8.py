@@ -6,6 +6,7 @@ cache. Engine: the sdpa and triton backends agree on an FP8 cache, block copies 
 intact, and on real SmolLM2 weights the FP8 cache's teacher-forced logits stay close to the float32
 cache's (the agreement is printed; run with -s to see it).
 """
+import os
 import random
 from types import SimpleNamespace
 
@@ -34,6 +35,7 @@ from tests.test_triton_kernels import (
     tiles_of,
 )
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # keys ~ N(0, 9) are stored up to ~240; values ~ N(0, 1) down into e4m3's subnormals
 K_SCALE, V_SCALE = 0.05, 4.0
 
@@ -89,6 +91,28 @@ def test_decode_reads_an_fp8_cache(num_heads, num_kv_heads, head_dim, num_splits
             tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
             assert rel_err(out[row:row + 1], ref) < tol, f"row {i} (context {n})"
     assert out[-3:].isnan().all()
+
+
+@pytest.mark.parametrize("kind,tol", [("k8", 0.2), ("k8x2", BF16_TOL)])
+def test_the_sweeps_fp8_tensor_core_variants_attend(kind, tol):
+    """benchmarks/fp8_kernel_variants.py's decode variants that run q @ K^T on FP8 tensor cores
+    (the README's finding that they are no faster rests on them computing attention): q quantized
+    to e4m3 per row (k8: about 10% error on these sharp scores), or as two e4m3 parts (k8x2,
+    about bfloat16's precision)."""
+    import sys
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import fp8_kernel_variants as sweep
+    module = {"k8": sweep.DECODE_K8, "k8x2": sweep.DECODE_K8X2}[kind]
+    context_lens = [1, 17, 100, 40]
+    k8, v8, k_ref, v_ref, tables = fp8_paged_cache(context_lens, 8, 128, 16)
+    q = torch.randn(len(context_lens), 16, 128, device=DEVICE).to(torch.bfloat16)
+    cu, scale = cu_seqlens([1] * len(context_lens), DEVICE), 128 ** -0.5
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    out = module.decode_attention(q, k8, v8, cu, lens, tables, scale, k_scale=K_SCALE,
+                                  v_scale=V_SCALE)
+    for i, n in enumerate(context_lens):
+        ref = ref_attention(q[i:i + 1], k_ref, v_ref, tables[i], n, scale)
+        assert rel_err(out[i:i + 1], ref) < tol, f"row {i} (context {n})"
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 64), (3, 1, 128)])
