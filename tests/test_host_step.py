@@ -18,3 +18,12 @@ def test_host_step_times_every_part():
     for name in names:
         assert any(name in row for row in rows), (name, result.stdout)
     assert "8 decode rows" in result.stdout
+
+
+def test_persistent_inputs_estimate_builds_the_engines_upload():
+    """benchmarks/persistent_inputs.py's arrays, advanced one step, must equal the engine's own
+    graph upload of that step (it asserts so before timing)."""
+    script = os.path.join(REPO, "benchmarks", "persistent_inputs.py")
+    result = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "256 decode rows" in result.stdout
