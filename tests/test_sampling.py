@@ -202,7 +202,8 @@ def test_kernel_greedy_rows_seeds_and_dtypes():
 
 
 def test_settings_per_row_from_shared_and_distinct_params():
-    """SamplingTensors.of reads each distinct SamplingParams once: every row still gets its own."""
+    """SamplingTensors.of gives every row its own settings, whether rows share a SamplingParams
+    object or not, and an empty batch an empty tensor."""
     from nanovllm.engine.sequence import Sequence
     hot, greedy = SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)
     seeded, top_k = SamplingParams(temperature=1.3, seed=5), SamplingParams(top_k=1)
