@@ -13,7 +13,7 @@ Memory sharing (the paper's section 4.4): blocks shared by the sequences of one 
 (source, destination) pair goes to the model runner. (Swap preemption's CPU pool is
 nanovllm/engine/swap.py.)
 """
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from itertools import count
 
 from nanovllm.engine.sequence import Sequence, num_blocks_for
@@ -92,7 +92,7 @@ class BlockManager:
         """New blocks the sequences (one, or a group) need before their next tokens fit: fresh tail
         blocks, plus copies of a shared block they write into (k of its r holders writing make
         min(k, r - 1) copies). `ref_counts`: where their blocks' counts are, if not here."""
-        new, writes = 0, Counter()
+        new, writes = 0, {}  # block -> how many of the sequences write into it
         for seq in seqs:
             num_tokens = len(seq.token_ids)
             if seq.num_computed_tokens == num_tokens:
@@ -100,7 +100,7 @@ class BlockManager:
             new += max(0, num_blocks_for(num_tokens, self.block_size) - len(seq.block_table))
             i = seq.num_computed_tokens // self.block_size  # the block the next token goes into
             if i < len(seq.block_table):
-                writes[seq.block_table[i]] += 1
+                writes[seq.block_table[i]] = writes.get(seq.block_table[i], 0) + 1
         for b, k in writes.items():
             count = ref_counts[b] if ref_counts is not None else self.blocks[b].ref_count
             new += min(k, count - 1)
