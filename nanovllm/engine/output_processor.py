@@ -28,9 +28,9 @@ class OutputProcessor:
     def outputs(self, new_tokens: list[tuple[Sequence, int]]) -> list[RequestOutput]:
         """The outputs of the requests that got new tokens (those that report at each step, or
         ended)."""
-        roots = {id(seq.group): seq.group[0] for seq, _ in new_tokens
-                 if seq.is_finished or seq.params.output_kind != "final"}
-        return [self.output(root) for root in roots.values()
+        roots = dict.fromkeys(seq.group[0] for seq, _ in new_tokens
+                              if seq.is_finished or seq.params.output_kind != "final")
+        return [self.output(root) for root in roots
                 if root.params.output_kind != "final" or all(s.is_finished for s in root.group)]
 
     def check_stop(self, seq: Sequence, position: int) -> bool:

@@ -86,9 +86,9 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch, decodes: bool):
         """Every running sequence with a token to compute, while the budget lasts; a group without
         blocks for its next tokens preempts the newest group (itself, if it is the newest)."""
-        by_group: dict[int, list[Sequence]] = {}  # the running sequences, oldest group first
+        by_group: dict[Sequence, list[Sequence]] = {}  # by group's root, oldest group first
         for seq in self.running:
-            by_group.setdefault(id(seq.group), []).append(seq)
+            by_group.setdefault(seq.group[0], []).append(seq)
         groups, kept, blocks = deque(by_group.values()), [], self.block_manager
         # blocks for every running sequence's tokens: then no group needs checking on its own
         fits = blocks.num_blocks_to_append(self.running) <= blocks.num_free_blocks
