@@ -139,3 +139,50 @@ def test_penalties_in_cuda_graph_steps_equal_eager_steps(qwen3_dir):
         torch.cuda.empty_cache()
     assert tokens[False, 1.3] == tokens[True, 1.3]
     assert tokens[False, 1.3] != tokens[False, 1.0]
+
+
+def test_decode_graphs_sample_as_eager_steps(qwen3_dir):
+    """A decode graph fills its placeholders and ends with the logits, and plain sampling runs in a
+    graph of its own (engine/cuda_graphs.py). At a temperature so low that sampling takes the
+    argmax, graph steps give eager greedy steps' tokens: with every row plain (sampled by the
+    sampler graphs) and with a seeded row among them (sampled eagerly from the graph's logits)."""
+    random.seed(4)
+    prompts = [[random.randrange(1000, 20000) for _ in range(n)] for n in (40, 300, 7, 120)]
+    greedy, cold = (SamplingParams(temperature=t, max_tokens=24, ignore_eos=True) for t in (0, 1e-6))
+    seeded = SamplingParams(temperature=1e-6, max_tokens=24, ignore_eos=True, seed=3)
+    tokens, samplers = [], []
+    for eager, params in ((True, [greedy] * 4), (False, [cold] * 4), (False, [cold, seeded] * 2)):
+        llm = LLM(qwen3_dir, attn_backend="triton", skip_tokenizer_init=True, dtype="float32",
+                  enforce_eager=eager, max_model_len=1024, gpu_memory_utilization=0.3)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        tokens.append([o.outputs[0].token_ids for o in outs])
+        samplers.append(len(llm.model_runner.graphs.samplers) if not eager else None)
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert tokens[1] == tokens[0] and tokens[2] == tokens[0]
+    assert samplers[1] > 0 and samplers[2] == 0
+
+
+def test_sampler_graph_draws_anew_and_by_the_distribution(qwen3_dir):
+    """The captured sampler draws new noise at every replay (its seed comes from torch's generator
+    on the device, not from the capture) and follows softmax(logits / T); T = 0 rows take the
+    argmax."""
+    from nanovllm.layers.sampler import SamplingTensors
+    llm = LLM(qwen3_dir, attn_backend="triton", skip_tokenizer_init=True, max_model_len=1024,
+              gpu_memory_utilization=0.3)
+    graphs = llm.model_runner.graphs
+    n, probs = 16, torch.tensor([0.5, 0.3, 0.2], device="cuda")
+    logits = graphs.logits[:n]
+    logits.fill_(-float("inf"))
+    logits[:, 7:10] = probs.log().to(logits.dtype)
+    logits[0, 5] = 1.0  # row 0 is greedy: always token 5
+    graphs.sampleable = logits
+    t = SamplingTensors(torch.tensor([0.0] + [1.0] * (n - 1), device="cuda"), [], False)
+    draws = torch.stack([graphs.sample(logits, t).clone() for _ in range(2000)])
+    assert len(graphs.samplers) == 1 and (draws[:, 0] == 5).all()
+    assert (draws[1:, 1:] != draws[:-1, 1:]).any(1).all()  # no two replays alike
+    freq = torch.bincount(draws[:, 1:].flatten() - 7, minlength=3).float() / draws[:, 1:].numel()
+    assert torch.allclose(freq, probs, atol=0.01), freq
+    llm.shutdown()

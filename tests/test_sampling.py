@@ -201,6 +201,21 @@ def test_kernel_greedy_rows_seeds_and_dtypes():
     assert kernel_draws(temps, half, seed=5)[::2].tolist() == half.float().argmax(-1)[::2].tolist()
 
 
+def test_kernel_seed_from_torchs_generator_and_out():
+    """Without a seed the kernel draws one from torch's generator on the logits' device (so a CUDA
+    graph draws anew each replay, engine/cuda_graphs.py): new noise each call, the same after the
+    same manual_seed; the tokens go into `out` when it is given."""
+    from nanovllm.kernels.sample import gumbel_max_sample
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hot, row = torch.full((64,), 5.0, device=device), torch.randn(1, 37, device=device).repeat(64, 1)
+    torch.manual_seed(1)
+    first = gumbel_max_sample(row, hot, block=8).tolist()
+    out = torch.empty(64, dtype=torch.int64, device=device)
+    assert gumbel_max_sample(row, hot, block=8, out=out) is out
+    torch.manual_seed(1)
+    assert first != out.tolist() and first == gumbel_max_sample(row, hot, block=8).tolist()
+
+
 def test_settings_per_row_from_shared_and_distinct_params():
     """SamplingTensors.of gives every row its own settings, whether rows share a SamplingParams
     object or not, and an empty batch an empty tensor."""

@@ -224,6 +224,7 @@ class Cascade:
                                    self.num_splits(size), splits)
         self.pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
         start = time.perf_counter()
-        twin = FullGraph(runner.model, (input_ids, positions, meta), self.pool)
+        twin = FullGraph(graph.forward, (input_ids, positions, meta), self.pool)
+        twin.sizes, twin.inputs, twin.logits = graph.sizes, graph.inputs, graph.logits
         self.capture_seconds += time.perf_counter() - start
         return twin, buffer, 0

@@ -15,6 +15,14 @@ How much of a step a graph holds is the backend's to say (AttentionBackend.cudag
 - a piecewise graph otherwise (vLLM v1's piecewise mode): the layers between two attention calls are
   captured, and attention runs eagerly between the replays, with the step's own shapes (flash-attn's
   varlen kernel and sdpa take them from the host).
+
+A whole decode graph also holds what comes before and after the forward, which eagerly cost the
+host more than the forward's replay: it fills the placeholders of its token ids from the tokens the
+last step sampled (run_ahead.py), and it ends with the logits of every row, written into one buffer
+that all decode graphs share. A decode step whose rows all sample plainly (temperature or greedy:
+no seeds, truncation, penalties or log-probabilities) draws its tokens with a captured
+gumbel_max_sample of its size (`sample`, kernels/sample.py), into the buffer the next step's graph
+fills its placeholders from.
 """
 import time
 from itertools import accumulate
@@ -22,6 +30,7 @@ from itertools import accumulate
 import torch
 
 from nanovllm.attention import AttentionMetadata
+from nanovllm.engine.run_ahead import fill_placeholders
 from nanovllm.engine.sequence import num_blocks_for
 from nanovllm.engine.step_inputs import StepInputs
 from nanovllm.kernels.prefill import QUERY_TILE, query_tiles
@@ -84,13 +93,14 @@ def token_ladder(largest: int) -> list[int]:
 
 
 class FullGraph:
-    """A whole forward pass."""
+    """A whole forward pass: `forward(*inputs)`, the model or a decode step's `decode_forward`."""
 
-    def __init__(self, model, inputs: tuple, pool):
-        model(*inputs)  # warm up: torch.compile and the libraries' workspaces, outside the capture
+    def __init__(self, forward, inputs: tuple, pool):
+        self.forward = forward
+        forward(*inputs)  # warm up (torch.compile, the libraries' workspaces) outside the capture
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool):
-            self.hidden = model(*inputs)
+            self.hidden = forward(*inputs)
 
     def replay(self, meta) -> torch.Tensor:
         self.graph.replay()
@@ -159,9 +169,18 @@ class CUDAGraphs:
             q = torch.empty(max_tokens, runner.backend.num_heads, config.hf_config["head_dim"],
                             dtype=config.torch_dtype, device=runner.device)
             out = torch.empty_like(q)
-        self.graphs = {}
-        pool = torch.cuda.graph_pool_handle()
         start, memory = time.perf_counter(), torch.cuda.memory_reserved(runner.device)
+        self.graphs, self.samplers, self.sampleable = {}, {}, None
+        self.pool = pool = torch.cuda.graph_pool_handle()
+        # a decode graph's logits and sampled tokens (one tensor-parallel rank only: the LM head of
+        # several gathers its logits)
+        head = runner.model.lm_head
+        self.logits = None
+        if support != "never" and not hasattr(runner, "tp") and head.bias is None:
+            self.logits = torch.empty(largest_batch, head.weight.shape[0], dtype=config.torch_dtype,
+                                      device=runner.device)
+            self.temperatures = torch.zeros(largest_batch, device=runner.device)
+        self.tokens = torch.zeros(max_seqs, dtype=torch.int64, device=runner.device)
         shapes = ([("mixed", t) for t in self.token_sizes]
                   + [("decode", s) for s in self.decode_sizes])
         max_blocks = num_blocks_for(config.max_model_len, config.kvcache_block_size)  # per table
@@ -172,14 +191,25 @@ class CUDAGraphs:
                                  device=runner.device)
             args = unpack(inputs, sizes, sizes, num_decodes=sizes[1])
             whole = support == "always" or (support == "decode" and kind == "decode")
-            graph = (FullGraph(runner.model, args, pool) if whole else
+            logits = whole and kind == "decode" and self.logits is not None
+            forward = self.decode_forward(runner.model) if logits else runner.model
+            graph = (FullGraph(forward, args, pool) if whole else
                      PiecewiseGraph(runner.model, args, runner.kv_cache.attns, q, out, pool))
-            graph.sizes, graph.inputs = sizes, inputs
+            graph.sizes, graph.inputs, graph.logits = sizes, inputs, logits
             self.graphs[kind, size] = graph
         self.capture_seconds = time.perf_counter() - start  # what they cost: bench.py prints it
         self.capture_bytes = torch.cuda.memory_reserved(runner.device) - memory
         if hasattr(runner, "tp"):
             runner.tp.graphs = self.graphs  # destroyed before NCCL shuts down (TPGroup.close)
+
+    def decode_forward(self, model):
+        """A decode step as its graph holds it: placeholders filled from the last step's tokens, the
+        forward, then the logits of every row (one GEMM, into the shared buffer)."""
+        def forward(input_ids, positions, meta):
+            fill_placeholders(input_ids, self.tokens)
+            hidden = model(input_ids, positions, meta)
+            return torch.mm(hidden, model.lm_head.weight.t(), out=self.logits[:len(input_ids)])
+        return forward
 
     @staticmethod
     def sizes(kind: str, size: int, max_seqs: int, width: int) -> tuple[int, int, int, int]:
@@ -197,12 +227,15 @@ class CUDAGraphs:
         size = next(s for s in self.token_sizes if s >= len(step.input_ids))
         return self.graphs["mixed", size]
 
-    def run(self, step: StepInputs, runner) -> torch.Tensor:
+    def run(self, step: StepInputs, runner) -> torch.Tensor | None:
         """Upload the step into the inputs of the graph that holds it and replay the graph: the
-        hidden states of the rows that sample."""
+        logits of the rows that sample (None on tensor-parallel ranks other than 0)."""
         graph = self.find(step)
         flat = upload(step, graph.sizes, graph.inputs)
-        if min(step.input_ids) < 0:  # the token ids lead the upload
+        if graph.logits:  # it fills its placeholders from self.tokens: the last step's tokens there
+            if runner.last_tokens.data_ptr() != self.tokens.data_ptr():  # (not sampled by `sample`)
+                self.tokens[:len(runner.last_tokens)].copy_(runner.last_tokens)
+        elif min(step.input_ids) < 0:  # the token ids lead the upload
             runner.fill_placeholders(flat[:len(step.input_ids)])
         meta = None  # a whole graph reads its inputs where they were uploaded; the eager attention
         if isinstance(graph, PiecewiseGraph):  # between pieces takes views of them
@@ -210,4 +243,29 @@ class CUDAGraphs:
         if runner.backend.cascade is not None:  # perhaps its twin that reads shared prefixes once
             graph = runner.backend.cascade.prepare(runner, step, meta, graph)
         hidden = graph.replay(meta)
-        return hidden[flat[flat.numel() - len(step.sample_rows):]]
+        rows = flat[flat.numel() - len(step.sample_rows):]
+        if not graph.logits:
+            return runner.model.compute_logits(hidden[rows])
+        if len(rows) != step.num_decodes:  # a new n-sample request's prompt ends in a decode row
+            return hidden[rows]
+        self.sampleable = hidden[:len(rows)]  # one row each: `sample` may draw them in a graph
+        return self.sampleable
+
+    def sample(self, logits: torch.Tensor, t) -> torch.Tensor | None:
+        """The next tokens of a decode graph's logits (all its rows, as `run` returned them), if
+        sampled plainly (SamplingTensors `t`, layers/sampler.py: temperature or greedy): drawn by a
+        captured gumbel_max_sample of the graph's size into self.tokens. Else None."""
+        if logits is not self.sampleable or t.truncation is not None or t.seeds:
+            return None
+        n = len(logits)
+        size = next(s for s in self.decode_sizes if s >= n)
+        if size not in self.samplers:  # captured on first use, like the cascade twins
+            from nanovllm.kernels.sample import gumbel_max_sample
+            args = self.logits[:size], self.temperatures[:size]
+            gumbel_max_sample(*args, out=self.tokens[:size])  # warm up: compile outside the capture
+            self.samplers[size] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.samplers[size], self.pool):
+                gumbel_max_sample(*args, out=self.tokens[:size])
+        self.temperatures[:n].copy_(t.temperatures)
+        self.samplers[size].replay()
+        return self.tokens[:n]

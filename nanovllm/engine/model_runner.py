@@ -76,7 +76,7 @@ class ModelRunner:
         if not step.input_ids:  # it preempted all it had to run: its swaps are the whole step
             return None
         if self.graphs is not None:  # uploaded in one copy, replayed (engine/cuda_graphs.py)
-            return self.model.compute_logits(self.graphs.run(step, self))
+            return self.graphs.run(step, self)
         input_ids, positions, meta, sample_rows = to_tensors(step, self.device)
         if min(step.input_ids) < 0:
             self.fill_placeholders(input_ids)

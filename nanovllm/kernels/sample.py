@@ -33,11 +33,12 @@ def _chunk_stats_kernel(logits_ptr, temperatures_ptr, max_ptr, sum_ptr, argmax_p
     tl.store(argmax_ptr + out, chunk * BLOCK + tl.argmax(x, 0))
 
 
-@triton.jit(do_not_specialize=["seed"])
-def _pick_kernel(logits_ptr, temperatures_ptr, max_ptr, sum_ptr, argmax_ptr, token_ptr, seed, vocab,
-                 chunks, stride_row, BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+@triton.jit
+def _pick_kernel(logits_ptr, temperatures_ptr, max_ptr, sum_ptr, argmax_ptr, token_ptr, seed_ptr,
+                 vocab, chunks, stride_row, BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr):
     row = tl.program_id(0)
     t = tl.load(temperatures_ptr + row)
+    seed = tl.load(seed_ptr)  # from memory, not an argument: a CUDA graph draws anew each replay
     c = tl.arange(0, CHUNKS_PAD)
     m = tl.load(max_ptr + row * chunks + c, mask=c < chunks, other=float("-inf"))
     # a chunk by its share, then a token inside it (the two draws use disjoint Philox offsets)
@@ -56,12 +57,17 @@ def _pick_kernel(logits_ptr, temperatures_ptr, max_ptr, sum_ptr, argmax_ptr, tok
     tl.store(token_ptr + row, token)
 
 
-def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int,
-                      block: int = 2048) -> torch.Tensor:
-    """One token per row of logits [B, vocab] (any float dtype): sampled at temperatures [B]
-    float32, argmax where the temperature is 0. `seed` keys the noise: the same seed draws the same
-    tokens."""
+def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int | None = None,
+                      block: int = 2048, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of logits [B, vocab] (any float dtype) into `out` (int64 [B], or a new
+    tensor): sampled at temperatures [B] float32, argmax where the temperature is 0. `seed` keys the
+    noise: the same seed draws the same tokens; None draws one on the device (torch's generator),
+    which a CUDA graph replays as a new draw each time (engine/cuda_graphs.py samples so)."""
     rows, vocab = logits.shape
+    if seed is None:
+        seed = torch.randint(2**31 - 1, (1,), device=logits.device)
+    else:
+        seed = torch.full((1,), seed, dtype=torch.int64, device=logits.device)
     assert logits.stride(-1) == 1 and temperatures.shape == (rows,)
     chunks = triton.cdiv(vocab, block)
     # each in an allocation of its own: 16-byte aligned for any row count (a slice of one tensor
@@ -69,7 +75,7 @@ def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: in
     maxes = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     sums = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     argmax = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
-    token = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    token = out if out is not None else torch.empty(rows, dtype=torch.int64, device=logits.device)
     _chunk_stats_kernel[(rows, chunks)](logits, temperatures, maxes, sums, argmax, vocab,
                                         logits.stride(0), BLOCK=block)
     _pick_kernel[(rows,)](logits, temperatures, maxes, sums, argmax, token, seed, vocab,

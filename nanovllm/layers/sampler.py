@@ -53,7 +53,11 @@ def sample_batch(logits: torch.Tensor, batch, runner) -> tuple[torch.Tensor, lis
         positions = [p for _, _, p in batch.sampled]
         scores = penalties.apply(logits, rows, positions, runner.eos_token_ids, runner.last_tokens)
     vocab_size = runner.config.hf_config["vocab_size"]
-    token_ids = sample(scores, SamplingTensors.of(rows, vocab_size, logits.device))
+    t = SamplingTensors.of(rows, vocab_size, logits.device)
+    # a decode step's logits from its CUDA graph: sampled by a graph too (engine/cuda_graphs.py)
+    token_ids = runner.graphs.sample(scores, t) if runner.graphs is not None else None
+    if token_ids is None:
+        token_ids = sample(scores, t)
     top = None
     if any(seq.params.logprobs is not None for seq, _ in rows):
         from nanovllm.layers.logprobs import logprobs
@@ -67,7 +71,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         return logits.argmax(-1)
     if logits.is_cuda and t.truncation is None and not t.seeds:
         from nanovllm.kernels.sample import gumbel_max_sample  # imports triton: only where it runs
-        return gumbel_max_sample(logits, t.temperatures, seed=int(torch.randint(2**31 - 1, ())))
+        return gumbel_max_sample(logits, t.temperatures)
     greedy = logits.argmax(-1)
     scaled = logits.float() / torch.where(t.temperatures > 0, t.temperatures, 1.0)[:, None]
     probs = (scaled if t.truncation is None else t.truncation.apply(scaled)).softmax(-1)
