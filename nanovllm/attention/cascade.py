@@ -225,6 +225,7 @@ class Cascade:
         self.pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
         start = time.perf_counter()
         twin = FullGraph(graph.forward, (input_ids, positions, meta), self.pool)
-        twin.sizes, twin.inputs, twin.logits = graph.sizes, graph.inputs, graph.logits
+        twin.sizes, twin.inputs = graph.sizes, graph.inputs
+        twin.ends_in_logits = graph.ends_in_logits
         self.capture_seconds += time.perf_counter() - start
         return twin, buffer, 0

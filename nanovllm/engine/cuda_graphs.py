@@ -191,11 +191,11 @@ class CUDAGraphs:
                                  device=runner.device)
             args = unpack(inputs, sizes, sizes, num_decodes=sizes[1])
             whole = support == "always" or (support == "decode" and kind == "decode")
-            logits = whole and kind == "decode" and self.logits is not None
-            forward = self.decode_forward(runner.model) if logits else runner.model
+            ends_in_logits = whole and kind == "decode" and self.logits is not None
+            forward = self.decode_forward(runner.model) if ends_in_logits else runner.model
             graph = (FullGraph(forward, args, pool) if whole else
                      PiecewiseGraph(runner.model, args, runner.kv_cache.attns, q, out, pool))
-            graph.sizes, graph.inputs, graph.logits = sizes, inputs, logits
+            graph.sizes, graph.inputs, graph.ends_in_logits = sizes, inputs, ends_in_logits
             self.graphs[kind, size] = graph
         self.capture_seconds = time.perf_counter() - start  # what they cost: bench.py prints it
         self.capture_bytes = torch.cuda.memory_reserved(runner.device) - memory
@@ -232,8 +232,8 @@ class CUDAGraphs:
         logits of the rows that sample (None on tensor-parallel ranks other than 0)."""
         graph = self.find(step)
         flat = upload(step, graph.sizes, graph.inputs)
-        if graph.logits:  # it fills its placeholders from self.tokens: the last step's tokens there
-            if runner.last_tokens.data_ptr() != self.tokens.data_ptr():  # (not sampled by `sample`)
+        if graph.ends_in_logits:  # it fills placeholders from self.tokens: the last step's go there
+            if runner.last_tokens.data_ptr() != self.tokens.data_ptr():  # (`sample` puts them)
                 self.tokens[:len(runner.last_tokens)].copy_(runner.last_tokens)
         elif min(step.input_ids) < 0:  # the token ids lead the upload
             runner.fill_placeholders(flat[:len(step.input_ids)])
@@ -244,7 +244,7 @@ class CUDAGraphs:
             graph = runner.backend.cascade.prepare(runner, step, meta, graph)
         hidden = graph.replay(meta)
         rows = flat[flat.numel() - len(step.sample_rows):]
-        if not graph.logits:
+        if not graph.ends_in_logits:
             return runner.model.compute_logits(hidden[rows])
         if len(rows) != step.num_decodes:  # a new n-sample request's prompt ends in a decode row
             return hidden[rows]
