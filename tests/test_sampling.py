@@ -232,3 +232,21 @@ def test_settings_per_row_from_shared_and_distinct_params():
     t = SamplingTensors.of(rows[1:2], 100, torch.device("cpu"))
     assert t.all_greedy and t.truncation is None and not t.seeds
     assert SamplingTensors.of([], 100, torch.device("cpu")).temperatures.shape == (0,)
+
+
+def test_sampler_graphs_take_only_a_decode_graphs_plainly_sampled_logits():
+    """CUDAGraphs.sample (engine/cuda_graphs.py) draws only the logits its last decode graph
+    returned (`sampleable`), and only without seeds or truncation: anything else is left to the
+    eager sampler (None). Checked on the CPU with a stand-in for the graphs."""
+    from types import SimpleNamespace
+
+    from nanovllm.engine.cuda_graphs import CUDAGraphs
+    logits = torch.randn(4, 10)
+    graphs = SimpleNamespace(sampleable=logits, samplers={}, decode_sizes=[4])
+    plain = SamplingTensors(torch.ones(4), [], False)
+    seeded = SamplingTensors(torch.ones(4), [(1, 7)], False)
+    truncated = SamplingTensors(torch.ones(4), [], False, truncation=object())
+    assert CUDAGraphs.sample(graphs, logits.clone(), plain) is None  # not the graph's logits
+    assert CUDAGraphs.sample(graphs, logits, seeded) is None
+    assert CUDAGraphs.sample(graphs, logits, truncated) is None
+    assert not graphs.samplers
