@@ -40,3 +40,47 @@ def test_upload_reads_back_as_to_tensors_with_inert_padding():
     assert full.block_tables.tolist()[:3] == [[3, 9, 2, 0, 0, 0], [18, 0, 0, 0, 0, 0],
                                               [25, 26, 0, 0, 0, 0]]
     assert tiles == 128 // QUERY_TILE + seqs
+
+
+def test_uploads_of_a_run_read_back_as_to_tensors(tmp_path):
+    """Every step of a CPU run with prompts of many lengths, chunked prefill and n = 3 samples,
+    uploaded into the smallest graph layout that holds it, reads back as `to_tensors` builds it."""
+    import random
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.engine.cuda_graphs import token_ladder
+    cfg = Qwen3Config(vocab_size=1001, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=2048)
+    Qwen3ForCausalLM(cfg).save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, num_kvcache_blocks=200,
+              kvcache_block_size=16, max_num_batched_tokens=256, max_num_seqs=32, device="cpu")
+    runner, kinds = llm.model_runner, set()
+    step_inputs = runner.step_inputs
+
+    def checked(batch):
+        step = step_inputs(batch)
+        if not step.input_ids:
+            return step
+        decode = step.num_decodes == len(step.context_lens)
+        size = len(step.context_lens) if decode else next(
+            s for s in token_ladder(256) if s >= len(step.input_ids))
+        layout = CUDAGraphs.sizes("decode" if decode else "mixed", size, 32, width=128)
+        flat = upload(step, layout, torch.zeros(sum(field_sizes(*layout)) + 32, dtype=torch.int32))
+        ids, positions, meta = unpack(flat, layout, step_sizes(step), step.num_decodes, step)
+        want_ids, want_positions, want, want_rows = to_tensors(step, torch.device("cpu"))
+        assert ids.tolist() == want_ids.tolist() and positions.tolist() == want_positions.tolist()
+        for name in ("slot_mapping", "cu_seqlens_q", "cu_seqlens_k", "context_lens", "block_tables"):
+            assert getattr(meta, name).tolist() == getattr(want, name).tolist(), name
+        assert flat[len(flat) - len(step.sample_rows):].tolist() == want_rows.tolist()
+        kinds.add(decode)
+        return step
+    runner.step_inputs = checked
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000) for _ in range(rng.randrange(1, 300))] for _ in range(30)]
+    params = [SamplingParams(max_tokens=rng.randrange(1, 30), n=rng.choice([1, 1, 3]),
+                             ignore_eos=True) for _ in prompts]
+    llm.generate(prompts, params, use_tqdm=False)
+    assert kinds == {True, False}
