@@ -180,7 +180,7 @@ class CUDAGraphs:
             self.logits = torch.empty(largest_batch, head.weight.shape[0], dtype=config.torch_dtype,
                                       device=runner.device)
             self.temperatures = torch.zeros(largest_batch, device=runner.device)
-        self.tokens = torch.zeros(max_seqs, dtype=torch.int64, device=runner.device)
+            self.tokens = torch.zeros(max_seqs, dtype=torch.int64, device=runner.device)
         shapes = ([("mixed", t) for t in self.token_sizes]
                   + [("decode", s) for s in self.decode_sizes])
         max_blocks = num_blocks_for(config.max_model_len, config.kvcache_block_size)  # per table
