@@ -255,7 +255,7 @@ class CUDAGraphs:
         """The next tokens of a decode graph's logits (all its rows, as `run` returned them), if
         sampled plainly (SamplingTensors `t`, layers/sampler.py: temperature or greedy): drawn by a
         captured gumbel_max_sample of the graph's size into self.tokens. Else None."""
-        if logits is not self.sampleable or t.truncation is not None or t.seeds:
+        if logits is not self.sampleable or not t.one_pass:
             return None
         n = len(logits)
         size = next(s for s in self.decode_sizes if s >= n)

@@ -23,6 +23,11 @@ class SamplingTensors:
     all_greedy: bool
     truncation: object = None      # top-k / top-p / min-p, if a row asks (layers/truncation.py)
 
+    @property
+    def one_pass(self) -> bool:
+        """Whether the one-pass kernel samples every row: no truncation and no seeded row."""
+        return self.truncation is None and not self.seeds
+
     @classmethod
     def of(cls, rows: list, vocab_size: int, device: torch.device) -> "SamplingTensors":
         """The settings of (sequence, sample index) rows; truncation only where some row asks."""
@@ -69,7 +74,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Next token per row of logits [B, vocab]."""
     if t.all_greedy:
         return logits.argmax(-1)
-    if logits.is_cuda and t.truncation is None and not t.seeds:
+    if logits.is_cuda and t.one_pass:
         from nanovllm.kernels.sample import gumbel_max_sample  # imports triton: only where it runs
         return gumbel_max_sample(logits, t.temperatures)
     greedy = logits.argmax(-1)
