@@ -20,7 +20,8 @@ REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_l
 class Config:
     model: str
     max_num_batched_tokens: int = at_least(1, default=16384)  # new tokens per step
-    max_num_seqs: int = at_least(1, default=512)  # sequences per step
+    # sequences per step (at most a CUDA grid's second axis: one program row per sequence)
+    max_num_seqs: int = rule(512, lambda v: 1 <= v <= 65535, "an integer in [1, 65535]")
     # prompt + generated tokens (clipped to the model's)
     max_model_len: int = at_least(1, default=4096)
     gpu_memory_utilization: float = rule(0.9, lambda v: 0 < v <= 1, "a number in (0, 1]")

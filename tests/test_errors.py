@@ -102,6 +102,7 @@ def test_unknown_option(llm, france, smollm2_dir):
 
 @pytest.mark.parametrize("options, name", [
     (dict(kvcache_block_size=24), "kvcache_block_size"), (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(max_num_seqs=65536), "max_num_seqs"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"), (dict(dtype="float8"), "dtype"),
     (dict(num_kvcache_blocks=0), "num_kvcache_blocks"), (dict(load_format="pt"), "load_format"),
     (dict(attn_backend="paged"), "attn_backend"), (dict(tensor_parallel_size=0), "tensor_parallel_size"),

@@ -9,7 +9,9 @@ lse_i = m_i + log2(l_i), out = sum_i 2^(lse_i - max lse) * o_i / sum_i 2^(lse_i 
 Grouped-query attention: the GROUP query heads that share a KV head sit in one tile of rows (padded
 to 16 for `tl.dot`), so each K/V tile is read from memory once per group, not once per query head.
 
-One launch serves a whole step: program row s is sequence s, whose query token is cu_seqlens_q[s].
+One launch serves a whole step: program row s (the grid's second axis; the KV heads are its
+first, so the programs resident at once read every head of the same keys) is sequence s, whose
+query token is cu_seqlens_q[s].
 Rows that are not decodes (a prefill chunk of a mixed step, or a CUDA graph's padding, whose query
 length is 0) return at once, so a graph can launch a fixed number of rows and the data says which
 run.
@@ -51,7 +53,7 @@ def _decode_split_kernel(
     DOT_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr,
 ):
     _decode_split(
-        tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_cache_ptr, v_cache_ptr,
+        tl.program_id(1), tl.program_id(0), tl.program_id(2), q_ptr, k_cache_ptr, v_cache_ptr,
         cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr, key_starts_ptr, out_ptr, partial_ptr,
         lse_ptr, qk_scale, v_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_bt, stride_ot, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
@@ -235,7 +237,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         assert scratch[0].numel() >= size * head_dim, "scratch sized for fewer splits"
         partial = scratch[0][:size * head_dim].view(num_seqs, num_splits, num_heads, head_dim)
         lse = scratch[1][:size].view(num_seqs, num_splits, num_heads, 1)
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
         q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, context_lens, out, partial,
         lse,
         scale * k_scale * math.log2(math.e), v_scale,
