@@ -12,7 +12,12 @@ and "bits", float16 built from the e4m3 bits with integer ops: both slower; 128-
 main win of "f16" there.) "k8" and "k8x2" (decode only) run q @ K^T on FP8 tensor cores, with q
 quantized to e4m3 per row (k8x2: as the sum of two e4m3 parts, two dots, about bfloat16's precision)
 and K never widened: on an H100 no faster than "asm" (h100_session9_fp8_k8_variants.log), so K's
-widening is not what bounds the FP8 decode kernel.
+widening is not what bounds the FP8 decode kernel. Three more from session 11 (one H200,
+h200_session11_fp8_variants.log; the first sweeps: h200_session11_fp8_prefetch.log, _swap.log):
+"pf" loads V one tile ahead into registers (Triton's pipeliner does not see through widen_v's
+inline PTX), "pfk" K too: both slower; "swap" runs the dots the other way round, S^T = K q^T and
+O^T = V^T P^T, so the keys are the MMA's M (64: Hopper's wgmma) and the GROUP query heads its N,
+padded to 8: 1.04-1.06x "asm" at batch 64-256 and 1.18x at batch 16, still at most 3.0 TB/s.
 """
 import importlib.util
 import math
@@ -87,15 +92,76 @@ DECODE_K8X2 = asm_kv_module(decode_mod, [
     "s = (tl.dot(q_hi, tl.trans(k)) * hi_scale[:, None]\n"
     "             + tl.dot(q_lo, tl.trans(k)) * lo_scale[:, None])"], "k8x2")
 
+# "pf": V loaded one tile ahead into registers; "pfk": K too (both through widen_v / .to())
+LOOP = "    for start_n in range(start, end, BLOCK_N):\n        keys = start_n"
+FIRST = ("    first_keys = start + tl.arange(0, BLOCK_N)\n"
+         "    first_rows = kv_row_offsets(block_table_row, first_keys, first_keys < end,\n"
+         "                                stride_kb, stride_ks, BLOCK_SIZE)\n"
+         "    first = first_rows[:, None] + dims[None, :]\n"
+         "    v_next = tl.load(v_ptr + first, mask=(first_keys < end)[:, None], other=0.0)\n")
+NEXT = ("        next_mask = keys + BLOCK_N < end\n"
+        "        next_rows = kv_row_offsets(block_table_row, keys + BLOCK_N, next_mask,\n"
+        "                                   stride_kb, stride_ks, BLOCK_SIZE)\n"
+        "        nxt = next_rows[:, None] + dims[None, :]\n")
+K_LOAD = "        k = tl.load(k_ptr + kv_offsets, mask=key_mask[:, None], other=0.0).to(q.dtype)\n"
+V_LOAD = ("        v = tl.load(v_ptr + kv_offsets, mask=key_mask[:, None], other=0.0)\n"
+          "        v = widen_v(v, q.dtype, FP8_ASM)\n")
+DECODE_PF = asm_kv_module(decode_mod, [LOOP, V_LOAD], [FIRST + LOOP, NEXT + (
+    "        v = v_next\n"
+    "        v_next = tl.load(v_ptr + nxt, mask=next_mask[:, None], other=0.0)\n"
+    "        v = widen_v(v, q.dtype, FP8_ASM)\n")], "pf")
+DECODE_PFK = asm_kv_module(decode_mod, [LOOP, K_LOAD + V_LOAD], [
+    FIRST + "    k_next = tl.load(k_ptr + first, mask=(first_keys < end)[:, None], other=0.0)\n"
+    + LOOP, NEXT + (
+        "        k = k_next\n        v = v_next\n"
+        "        k_next = tl.load(k_ptr + nxt, mask=next_mask[:, None], other=0.0)\n"
+        "        v_next = tl.load(v_ptr + nxt, mask=next_mask[:, None], other=0.0)\n"
+        "        k = k.to(q.dtype)\n        v = widen_v(v, q.dtype, FP8_ASM)\n")], "pfk")
+# "swap": S^T = K q^T [BLOCK_N, GROUP_PAD] and O^T = V^T P^T [D, GROUP_PAD], GROUP_PAD = 8
+DECODE_SWAP = asm_kv_module(decode_mod, [
+    "heads[:, None] * stride_qh + dims[None, :],\n"
+    "                mask=row_mask[:, None], other=0.0).to(DOT_DTYPE)  # [GROUP_PAD, D]",
+    "    acc = tl.full([GROUP_PAD, HEAD_DIM], 0.0, tl.float32)",
+    '''        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [GROUP_PAD, BLOCK_N]
+        s = tl.where(key_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has at least one key < end
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")''',
+    "    out = acc * (v_scale / l_i)[:, None]",
+    "heads[:, None] * stride_oh + dims[None, :]\n"
+    "        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])",
+    "heads[:, None] * stride_ph\n               + dims[None, :])\n"
+    "        tl.store(dst, out, mask=row_mask[:, None])",
+    "GROUP_PAD=max(16, triton.next_power_of_2(group))"], [
+    "heads[None, :] * stride_qh + dims[:, None],\n"
+    "                mask=row_mask[None, :], other=0.0).to(DOT_DTYPE)  # q^T [D, GROUP_PAD]",
+    "    acc = tl.full([HEAD_DIM, GROUP_PAD], 0.0, tl.float32)",
+    '''        s = tl.dot(k, q, input_precision="ieee") * qk_scale  # S^T [BLOCK_N, GROUP_PAD]
+        s = tl.where(key_mask[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype), input_precision="ieee")''',
+    "    out = acc * (v_scale / l_i)[None, :]",
+    "heads[None, :] * stride_oh + dims[:, None]\n"
+    "        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[None, :])",
+    "heads[None, :] * stride_ph\n               + dims[:, None])\n"
+    "        tl.store(dst, out, mask=row_mask[None, :])",
+    "GROUP_PAD=max(8, triton.next_power_of_2(group))"], "swap")
+
 
 def variant(mod, kind, cfg):
     """Patch mod's config and widening (for 'asmkv' a copy that widens K by PTX too)."""
     target = {"asmkv": DECODE_ASMKV if mod is decode_mod else PREFILL_ASMKV,
-              "k8": DECODE_K8, "k8x2": DECODE_K8X2}.get(kind, mod)
+              "k8": DECODE_K8, "k8x2": DECODE_K8X2, "pf": DECODE_PF, "pfk": DECODE_PFK,
+              "swap": DECODE_SWAP}.get(kind, mod)
     name = "decode_config" if mod is decode_mod else "prefill_config"
-    setattr(target, name, lambda head_dim, cache_dtype=None: dict(cfg))
+    setattr(target, name, lambda *args, **kwargs: dict(cfg))
     widen = dict(DOT_DTYPE=tl.bfloat16 if kind == "bf16" else tl.float16,
-                 FP8_ASM=kind in ("asm", "asmkv", "k8", "k8x2"))
+                 FP8_ASM=kind in ("asm", "asmkv", "k8", "k8x2", "pf", "pfk", "swap"))
     setattr(target, "widen_config", lambda q_dtype, cache_dtype: dict(widen))
     return target
 
@@ -104,7 +170,8 @@ DECODE_VARIANTS = [("f16", 64, 4, 2), ("f16", 128, 4, 2), ("asm", 64, 4, 2), ("a
                    ("asm", 128, 4, 2), ("asm", 128, 4, 3), ("asm", 128, 8, 2), ("asm", 256, 4, 2),
                    ("asm", 32, 4, 2), ("asmkv", 64, 4, 2), ("asmkv", 128, 4, 2),
                    ("k8", 64, 4, 2), ("k8", 128, 4, 2), ("k8x2", 64, 4, 2), ("k8x2", 64, 4, 3),
-                   ("k8x2", 128, 4, 2), ("k8x2", 128, 8, 2)]
+                   ("k8x2", 128, 4, 2), ("k8x2", 128, 8, 2), ("pf", 64, 4, 2), ("pfk", 64, 4, 2),
+                   ("swap", 64, 4, 2), ("swap", 64, 4, 3), ("swap", 128, 4, 3)]
 PREFILL_VARIANTS = [("f16", 64, 4, 2), ("asm", 32, 4, 2), ("asm", 64, 4, 2), ("asm", 64, 4, 3),
                     ("asm", 128, 8, 2), ("asmkv", 64, 4, 2), ("asmkv", 32, 4, 2)]
 
