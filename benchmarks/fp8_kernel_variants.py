@@ -18,6 +18,8 @@ h200_session11_fp8_variants.log; the first sweeps: h200_session11_fp8_prefetch.l
 inline PTX), "pfk" K too: both slower; "swap" runs the dots the other way round, S^T = K q^T and
 O^T = V^T P^T, so the keys are the MMA's M (64: Hopper's wgmma) and the GROUP query heads its N,
 padded to 8: 1.04-1.06x "asm" at batch 64-256 and 1.18x at batch 16, still at most 3.0 TB/s.
+Stages written (n, r) cap the registers at r (maxnreg): "f16" 128/4/(2, 128), the FP8 decode config
+since, is 1.09-1.21x "asm" 64/4/2 (h200_session11_fp8_occupancy.log).
 """
 import importlib.util
 import math
@@ -154,7 +156,11 @@ DECODE_SWAP = asm_kv_module(decode_mod, [
 
 
 def variant(mod, kind, cfg):
-    """Patch mod's config and widening (for 'asmkv' a copy that widens K by PTX too)."""
+    """Patch mod's config and widening (for 'asmkv' a copy that widens K by PTX too); stages may be
+    (stages, maxnreg): a cap on registers per thread."""
+    cfg = dict(cfg)
+    if isinstance(cfg["num_stages"], tuple):
+        cfg["num_stages"], cfg["maxnreg"] = cfg["num_stages"]
     target = {"asmkv": DECODE_ASMKV if mod is decode_mod else PREFILL_ASMKV,
               "k8": DECODE_K8, "k8x2": DECODE_K8X2, "pf": DECODE_PF, "pfk": DECODE_PFK,
               "swap": DECODE_SWAP}.get(kind, mod)
@@ -171,7 +177,8 @@ DECODE_VARIANTS = [("f16", 64, 4, 2), ("f16", 128, 4, 2), ("asm", 64, 4, 2), ("a
                    ("asm", 32, 4, 2), ("asmkv", 64, 4, 2), ("asmkv", 128, 4, 2),
                    ("k8", 64, 4, 2), ("k8", 128, 4, 2), ("k8x2", 64, 4, 2), ("k8x2", 64, 4, 3),
                    ("k8x2", 128, 4, 2), ("k8x2", 128, 8, 2), ("pf", 64, 4, 2), ("pfk", 64, 4, 2),
-                   ("swap", 64, 4, 2), ("swap", 64, 4, 3), ("swap", 128, 4, 3)]
+                   ("swap", 64, 4, 2), ("swap", 64, 4, 3), ("swap", 128, 4, 3), ("swap", 64, 2, 2),
+                   ("asm", 64, 2, 2), ("asm", 64, 4, (2, 96)), ("f16", 128, 4, (2, 128))]
 PREFILL_VARIANTS = [("f16", 64, 4, 2), ("asm", 32, 4, 2), ("asm", 64, 4, 2), ("asm", 64, 4, 3),
                     ("asm", 128, 8, 2), ("asmkv", 64, 4, 2), ("asmkv", 32, 4, 2)]
 
