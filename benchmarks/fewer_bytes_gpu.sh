@@ -8,7 +8,7 @@
 out=${1:-/tmp/nanovllm-fewer-bytes}; mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/bench.log"
-b() { timeout 170 python3 bench.py --attn-backend triton "$@" 2>&1 | grep "^| triton\|Error"; }
+b() { timeout 170 python3 bench.py --attn-backend triton "$@" 2>&1 | grep "^| triton\|Error" | awk '!seen[$0]++'; }
 b --kv-cache-dtype auto fp8 | tee -a "$out/bench.log"
 for workload in shared-prefix n8 nano-vllm; do
   b --workload $workload --cascade off on | tee -a "$out/bench.log"
