@@ -209,32 +209,43 @@ def serving_steps(args):
 
 
 def workload_steps(args):
-    """Time each step of nano-vllm's workload; print seconds by step kind and decode batch size."""
-    from bench import nano_vllm_requests
+    """Time each step of nano-vllm's workload (or of bench.py's `--sharing` workload, with cascade
+    attention `--cascade`); print seconds by step kind and decode batch size."""
+    from bench import nano_vllm_requests, sharing_requests
+    cascade = {"disable_cascade_attn": args.cascade == "off"} if args.sharing else {}
     llm = LLM(ARCH, load_format="dummy", skip_tokenizer_init=True, attn_backend=args.attn_backend,
-              enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype)
-    prompts, params = nano_vllm_requests()
-    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
+              enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype, **cascade)
+    if args.sharing:  # a warm-up of the same shapes (bench.py's sharing_workload)
+        llm.generate(*sharing_requests(args.sharing, seed_value=1, max_tokens=4), use_tqdm=False)
+        prompts, params = sharing_requests(args.sharing)
+        params = [params] * len(prompts)
+    else:
+        prompts, params = nano_vllm_requests()
+        llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
     times, schedule = defaultdict(lambda: [0, 0.0]), llm.scheduler.schedule
-    last = {"t": None, "kind": None}
+    last = {"t": None, "kind": None, "steps": 0}
 
     def timed():
         batch = schedule()
         now = time.perf_counter()
-        if last["kind"] is not None:
-            times[last["kind"]][0] += 1
-            times[last["kind"]][1] += now - last["t"]
+        times[last["kind"] or "before the first step"][0] += 1
+        times[last["kind"] or "before the first step"][1] += now - (last["t"] or start)
         n = len(batch.seqs)
         decodes = all(k == 1 for k in batch.num_new_tokens)
-        last["t"], last["kind"] = now, (f"decode, batch <= {min(b for b in (16, 64, 128, 256, 512) if b >= n)}"
-                                        if decodes else "with prefill")
+        kind = f"decode, batch <= {min(b for b in (16, 64, 128, 256, 512) if b >= n)}"
+        if args.sharing:  # one batch size: by the decode steps' order (own tokens grow)
+            kind = f"decode, batch {n}, steps {last['steps'] // 64 * 64}+"
+            last["steps"] += decodes
+        last["t"], last["kind"] = now, kind if decodes else f"with prefill ({sum(batch.num_new_tokens)} tokens)"
         return batch
     llm.scheduler.schedule = timed
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     total = time.perf_counter() - start
-    print(f"\n{args.attn_backend}: nano-vllm's workload in {total:.2f} s, "
-          f"{sum(p.max_tokens for p in params) / total:,.0f} tokens/s\n\n| steps | kind | seconds | ms per step |\n"
+    times["the last step, and reading it"] = [1, total - sum(t for _, t in times.values())]
+    what = f"{args.sharing}, cascade {args.cascade}" if args.sharing else "nano-vllm's workload"
+    print(f"\n{args.attn_backend}: {what} in {total:.2f} s, "
+          f"{sum(p.max_tokens * p.n for p in params) / total:,.0f} tokens/s\n\n| steps | kind | seconds | ms per step |\n"
           "|---|---|---|---|")
     for kind, (n, seconds) in sorted(times.items()):
         print(f"| {n} | {kind} | {seconds:.2f} | {seconds / n * 1e3:.2f} |")

@@ -42,7 +42,9 @@ The file (JSON, one object):
                    hit      a prefix-cache hit: the block's K/V are reused, not computed
                    alloc    a fresh block for new tokens
                    cow      copy on write: the block is a copy of the block in extra
-                   cached   the block's K/V were registered in the prefix cache
+                   cached   the block was registered in the prefix cache (as the step that
+                            computes its K/V is scheduled: sequences admitted after it, in that
+                            step too, hit it)
       num_free   free GPU blocks after the step's scheduling (cached free ones included)
       running, waiting, swapped  sequences in each queue
     end          a last entry like a step's (no batch): what changed after the last step
@@ -73,7 +75,9 @@ class EngineState:
         self.tables = {s.seq_id: tuple(s.block_table) for s in live
                        if s.block_table and s.status != SequenceStatus.SWAPPED}
         self.cpu_tables = {s.seq_id: tuple(s.block_table) for s in swapped}
-        self.cached = set(bm.cached_blocks.values())
+        # block -> the name of what it caches: one taken for new data and registered again in a
+        # step (the scheduler registers blocks as it schedules them) is evicted, then cached
+        self.cached = {b: bm.blocks[b].content_id for b in bm.cached_blocks.values()}
         self.num_free = bm.num_free_blocks
         self.counts = len(scheduler.running), len(scheduler.waiting), len(swapped)
 
@@ -162,10 +166,17 @@ class Trace:
         if batch:
             events += [["swap_out", gpu, None, cpu] for gpu, cpu in batch.swap_out]
             events += [["swap_in", gpu, None, cpu] for cpu, gpu in batch.swap_in]
+        # blocks a sequence admitted in this step found cached: those before its first new token
+        size, hits = self.data["block_size"], {}
+        for seq, start in zip(batch.seqs, batch.starts) if batch else ():
+            hits[seq.seq_id] = -(-start // size)
         for seq_id, table in new.tables.items():  # blocks taken
-            events += self._taken(new.seqs[seq_id], old, table, copies, swapped_in)
-        events += [["evict", b, None, None] for b in sorted(old.cached - new.cached)]
-        events += [["cached", b, None, None] for b in sorted(new.cached - old.cached)]
+            events += self._taken(new.seqs[seq_id], old, table, copies, swapped_in,
+                                  hits.get(seq_id, 0))
+        events += [["evict", b, None, None] for b in sorted(old.cached)
+                   if new.cached.get(b) != old.cached[b]]
+        events += [["cached", b, None, None] for b in sorted(new.cached)
+                   if old.cached.get(b) != new.cached[b]]
         events.sort(key=lambda e: EVENT_ORDER.index(e[0]))
         entry = {"tables": _changed(old.tables, new.tables),
                  "cpu_tables": _changed(old.cpu_tables, new.cpu_tables), "events": events,
@@ -181,7 +192,7 @@ class Trace:
                 self._describe(seq, None)
         return entry
 
-    def _taken(self, seq, old, table, copies, swapped_in) -> list:
+    def _taken(self, seq, old, table, copies, swapped_in, num_hits: int) -> list:
         """Events of the blocks in a sequence's table now that were not there at the step before."""
         seq_id, events = seq.seq_id, []
         before = old.tables.get(seq_id, ())
@@ -202,7 +213,7 @@ class Trace:
                 events.append(["cow", b, seq_id, copies[b]])
             elif parent is not None and i < shared:
                 events.append(["share", b, seq_id, parent])
-            elif admitted and i < seq.num_hashed_blocks:
+            elif admitted and i < num_hits:
                 events.append(["hit", b, seq_id, None])
             else:
                 events.append(["alloc", b, seq_id, None])

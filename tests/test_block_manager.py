@@ -20,7 +20,7 @@ def seq_of(tokens) -> Sequence:
 def compute(bm: BlockManager, seq: Sequence, num_tokens: int | None = None):
     """Pretend a forward step computed the K/V of the sequence's first num_tokens tokens (default: all)."""
     seq.num_computed_tokens = len(seq) if num_tokens is None else num_tokens
-    bm.cache_computed_blocks(seq)
+    bm.cache_computed_blocks(seq, seq.num_computed_tokens)
 
 
 # ---------- helpers ----------

@@ -176,7 +176,7 @@ def test_a_group_that_does_not_fit_takes_no_block_and_evicts_no_cached_prefix():
     from nanovllm.engine.sharing import allocate_group
     bm = BlockManager(6, BS)
     cached = computed(bm, list(range(8)))  # 2 full blocks, registered in the prefix cache
-    bm.cache_computed_blocks(cached)
+    bm.cache_computed_blocks(cached, cached.num_computed_tokens)
     bm.free(cached)
     before = dict(bm.cached_blocks)
     root = Sequence(list(range(100, 120)), SamplingParams(n=2), BS)  # 5 blocks each: 10 > 6

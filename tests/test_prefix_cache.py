@@ -82,3 +82,33 @@ def test_a_block_hits_only_after_the_same_prefix(tiny_path, uncached):
     assert outputs[1]["num_cached_tokens"] == BLOCK_SIZE  # block X at position 0 is a true hit
     assert outputs[2]["num_cached_tokens"] == 0
     assert outputs[3]["num_cached_tokens"] == 0
+
+
+def test_blocks_hit_in_the_step_that_computes_them(tiny_path, uncached):
+    """Blocks are registered as their step is scheduled: requests admitted later in that step, or
+    in the next one (launched before the first's tokens are read), hit them. Before: only after
+    the step was read, so requests admitted meanwhile computed the shared prefix again."""
+    llm = make_llm(tiny_path, max_num_batched_tokens=3 * BLOCK_SIZE)  # the prefix takes 2 steps
+    prefix, = random_prompts(1, (4 * BLOCK_SIZE, 4 * BLOCK_SIZE), seed=22)
+    prompts = [prefix + tail for tail in random_prompts(4, (8, 8), seed=23)]
+    outputs = run(llm, prompts)
+    assert token_ids(outputs) == token_ids(run(uncached, prompts))
+    assert [o["num_cached_tokens"] for o in outputs] == [0] + [len(prefix)] * 3
+
+
+def test_a_step_that_fails_to_launch_leaves_no_blocks_in_the_cache(tiny_path, uncached, monkeypatch):
+    """Its blocks were registered when it was scheduled, but their K/V were never computed: a later
+    request must not hit them."""
+    llm = make_llm(tiny_path)
+    prompt, = random_prompts(1, (3 * BLOCK_SIZE, 3 * BLOCK_SIZE), seed=24)
+    run_step = llm.model_runner.run
+
+    def fail(batch):
+        raise RuntimeError("launch failed")
+    monkeypatch.setattr(llm.model_runner, "run", fail)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        run(llm, [prompt])
+    monkeypatch.setattr(llm.model_runner, "run", run_step)
+    out, = run(llm, [prompt])
+    assert out["num_cached_tokens"] == 0
+    assert out["token_ids"] == run(uncached, [prompt])[0]["token_ids"]

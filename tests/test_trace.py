@@ -83,16 +83,20 @@ def test_block_events_agree_with_the_engine_state(traced, mode):
     before = {"cached": set(data["start"]["cached"]), "tables": {}}
     for entry, truth in zip(all_entries(data), trace.truth):
         for kind, block, seq, _ in entry["events"]:
-            if kind in ("alloc", "cow", "swap_in"):  # taken fresh: not in the prefix cache yet
-                assert truth["ref_counts"][block] >= 1 and block not in truth["cached"]
+            if kind in ("alloc", "cow", "swap_in"):  # taken fresh: cached only if the step fills it
+                assert truth["ref_counts"][block] >= 1
+                assert block not in truth["cached"] or ["cached", block, None, None] in entry["events"]
             if kind in ("alloc", "cow", "hit", "share"):
                 assert block in truth["tables"][str(seq)]
-            if kind == "hit":
-                assert block in truth["cached"] and block in before["cached"]
+            if kind == "hit":  # cached before, or by the step that computes it (scheduled first)
+                assert block in truth["cached"]
+                assert block in before["cached"] or ["cached", block, None, None] in entry["events"]
             if kind == "free":
                 assert block in before["tables"][str(seq)]
-        assert {e[1] for e in events(entry, "evict")} == before["cached"] - truth["cached"]
-        assert {e[1] for e in events(entry, "cached")} == truth["cached"] - before["cached"]
+        evicted, cached = ({e[1] for e in events(entry, kind)} for kind in ("evict", "cached"))
+        assert before["cached"] - truth["cached"] <= evicted <= before["cached"]
+        assert truth["cached"] - before["cached"] <= cached <= truth["cached"]
+        assert evicted & truth["cached"] <= cached  # taken for new data and registered again
         before = truth
 
 

@@ -121,21 +121,23 @@ class BlockManager:
             seq.block_table.append(self.take_free_block())
         return copies
 
-    def cache_computed_blocks(self, seq: Sequence):
-        """Register the sequence's newly computed full blocks in the prefix cache."""
+    def cache_computed_blocks(self, seq: Sequence, num_tokens: int):
+        """Register the sequence's full blocks among its first num_tokens in the prefix cache. The
+        scheduler registers a step's blocks as it schedules them: sequences admitted after, in that
+        step too, hit them (each layer writes a step's K/V before it reads the cache). A block that
+        holds a placeholder waits for its token."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
-        for i in range(seq.num_hashed_blocks, num_full):
-            block = self.blocks[seq.block_table[i]]
-            if block.key is not None:
-                continue  # registered already, by a sequence sharing it (a prefix hit, or a fork)
-            prev = self.blocks[seq.block_table[i - 1]].content_id if i else None
-            block.key = (prev, tuple(seq.block_tokens(i)))
-            owner = self.blocks[self.cached_blocks.setdefault(block.key, block.block_id)]
-            # a block equal to the registered one shares its name: blocks after either one can hit
-            block.content_id = owner.content_id if owner is not block else next(self._content_ids)
-        seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
+        for i in range(seq.num_hashed_blocks, num_tokens // self.block_size):
+            block, tokens = self.blocks[seq.block_table[i]], tuple(seq.block_tokens(i))
+            if min(tokens) < 0:
+                return
+            if block.key is None:  # else registered by a sequence sharing it (a hit, or a fork)
+                block.key = (self.blocks[seq.block_table[i - 1]].content_id if i else None, tokens)
+                owner = self.blocks[self.cached_blocks.setdefault(block.key, block.block_id)]
+                # a block equal to the registered one shares its name: blocks after either hit
+                block.content_id = next(self._content_ids) if owner is block else owner.content_id
+            seq.num_hashed_blocks = i + 1
 
     def free(self, seq: Sequence):
         """Drop the sequence's references; blocks reaching zero become free, tail first."""

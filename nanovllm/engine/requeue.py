@@ -3,9 +3,10 @@
 A caller may abort a request wherever it is (`abort`). A step that failed to launch (an exception,
 or Ctrl-C, inside the model runner), or whose tokens the host was interrupted waiting for, leaves
 what scheduling it recorded: placeholders for tokens nobody will read, progress that does not count,
-block copies and swaps to forget. Its sequences, and the groups it swapped in or out, are preempted
-by recomputation (the vLLM paper, section 4.5): they wait again with their real tokens and no KV, so
-requests that other callers queued go on with the tokens they would have had.
+blocks registered in the prefix cache, block copies and swaps to forget. Its sequences, and the
+groups it swapped in or out, are preempted by recomputation (the vLLM paper, section 4.5): they wait
+again with their real tokens and no KV, so requests that other callers queued go on with the tokens
+they would have had.
 """
 import time
 from collections import deque
@@ -17,9 +18,13 @@ from nanovllm.engine.sequence import SequenceStatus
 def requeue(scheduler: Scheduler, batches: list[ScheduledBatch]):
     """Undo what scheduling the batches recorded (in launch order), for batches whose tokens will
     never be read: never launched, or lost while the host waited for them."""
+    blocks = scheduler.block_manager
     for batch in batches:
         for seq, _, position in batch.sampled:  # the steps' placeholders
             del seq.token_ids[position:]
+        size = blocks.block_size
+        for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens):
+            forget(blocks, seq.block_table[start // size:(start + n) // size])
     groups = {id(seq.group): seq.group for batch in batches for seq in batch.seqs}
     swapped_in = {gpu for batch in batches for _, gpu in batch.swap_in}  # blocks they filled
     swapped_out = {cpu for batch in batches for _, cpu in batch.swap_out}
@@ -40,6 +45,15 @@ def requeue(scheduler: Scheduler, batches: list[ScheduledBatch]):
             seq.status = SequenceStatus.WAITING
             scheduler.waiting.appendleft(seq)
     scheduler.running = deque(s for s in scheduler.running if s.status == SequenceStatus.RUNNING)
+
+
+def forget(blocks, block_ids: list[int]):
+    """Take out of the prefix cache the blocks a step registered as it was scheduled
+    (BlockManager.cache_computed_blocks): their K/V may never be computed."""
+    for block in (blocks.blocks[b] for b in block_ids):
+        if block.key is not None and blocks.cached_blocks.get(block.key) == block.block_id:
+            del blocks.cached_blocks[block.key]
+        block.key = block.content_id = None
 
 
 def abort(engine, request_id) -> bool:

@@ -82,6 +82,7 @@ class Scheduler:
         self.budget -= n
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
+        self.block_manager.cache_computed_blocks(seq, seq.num_computed_tokens + n)
 
     def _schedule_running(self, batch: ScheduledBatch, decodes: bool):
         """Every running sequence with a token to compute, while the budget lasts; a group without
@@ -184,7 +185,7 @@ class Scheduler:
                 finished.append(seq)
         for seq in batch.seqs:
             if seq.status == SequenceStatus.RUNNING:  # not preempted meanwhile
-                self.block_manager.cache_computed_blocks(seq)
+                self.block_manager.cache_computed_blocks(seq, seq.num_computed_tokens)
         self.finish(finished)
         return new_tokens
 
