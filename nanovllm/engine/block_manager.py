@@ -1,12 +1,13 @@
 """The block manager: PagedAttention's KV-cache allocator with prefix caching.
 
 The cache is a pool of fixed-size blocks; each sequence owns a block table (a list of block ids) and
-blocks are shared through reference counts. A full block whose K/V have been computed is registered
-under its key: its tokens and the name (`content_id`) of what the block before it holds, so the key
-of a block stands for its whole prefix (vLLM's chained block hashes) while the lookup is a dict's,
-which compares keys on a hash collision: a hit never returns wrong K/V. A freed block keeps its
-contents and stays findable until it is taken for new data; free blocks are taken least recently
-freed first. Every operation is O(1) per block.
+blocks are shared through reference counts. A full block is registered, as soon as the step that
+computes its K/V is scheduled (vLLM v1's order), under its key: its tokens and the name
+(`content_id`) of what the block before it holds, so the key of a block stands for its whole prefix
+(vLLM's chained block hashes) while the lookup is a dict's, which compares keys on a hash collision:
+a hit never returns wrong K/V. A freed block keeps its contents and stays findable until it is
+taken for new data; free blocks are taken least recently freed first. Every operation is O(1) per
+block.
 
 Memory sharing (the paper's section 4.4): blocks shared by the sequences of one request
 (nanovllm/engine/sharing.py) are copied before one of them writes into them (copy-on-write), and the
