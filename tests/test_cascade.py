@@ -161,6 +161,25 @@ def test_unused_tiles_write_nothing():
                                                    lens[i], 0.125)) < FP32_TOL
 
 
+@pytest.mark.parametrize("heads", [1, 4])
+def test_the_merge_variant_equals_the_merge(heads):
+    """benchmarks/cascade_merge_variants.py's merge with several heads a program (6 heads: one
+    program's last heads are padding) equals the merge, live splits only, prefill rows untouched."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import cascade_merge_variants as variants
+    splits, psplits, block_n, num_heads, dim = 2, 3, 16, 6, 32
+    q_lens, ctx, starts = [1, 1, 3, 1, 1], [40, 90, 12, 33, 100], [32, 0, 0, 16, 64]
+    partial = torch.randn(5, splits + psplits, num_heads, dim, device=DEVICE)
+    lse = torch.randn(5, splits + psplits, num_heads, 1, device=DEVICE) * 4
+    args = (partial, lse, None, cu_seqlens(q_lens, DEVICE), ints(ctx), ints(starts), splits,
+            psplits, block_n)
+    outs = [fn(*args[:2], torch.zeros(7, num_heads, dim, device=DEVICE), *args[3:], **kw)
+            for fn, kw in ((variants.merge, {}), (variants.merge_heads, {"heads": heads}))]
+    assert torch.allclose(outs[0], outs[1], atol=1e-5) and outs[0].abs().sum() > 0
+    assert not outs[1][2:5].any()  # the prefill row's three tokens
+
+
 def test_cascade_reads_an_fp8_cache():
     """kv_cache_dtype="fp8": the prefix kernel widens K and V as the decode kernel does, with the
     scales (against float64 over the dequantized cache)."""
