@@ -58,7 +58,7 @@ data between the same two steps shows as allocated only.
 import json
 import time
 
-from nanovllm.engine.sequence import SequenceStatus
+from nanovllm.engine.sequence import SequenceStatus, num_blocks_for
 
 EVENT_ORDER = ("finish", "preempt", "free", "swap_out", "swap_in", "fork", "share", "evict", "hit",
                "alloc", "cow", "cached")
@@ -169,7 +169,7 @@ class Trace:
         # blocks a sequence admitted in this step found cached: those before its first new token
         size, hits = self.data["block_size"], {}
         for seq, start in zip(batch.seqs, batch.starts) if batch else ():
-            hits[seq.seq_id] = -(-start // size)
+            hits[seq.seq_id] = num_blocks_for(start, size)
         for seq_id, table in new.tables.items():  # blocks taken
             events += self._taken(new.seqs[seq_id], old, table, copies, swapped_in,
                                   hits.get(seq_id, 0))

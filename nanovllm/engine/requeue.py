@@ -19,10 +19,10 @@ def requeue(scheduler: Scheduler, batches: list[ScheduledBatch]):
     """Undo what scheduling the batches recorded (in launch order), for batches whose tokens will
     never be read: never launched, or lost while the host waited for them."""
     blocks = scheduler.block_manager
+    size = blocks.block_size
     for batch in batches:
         for seq, _, position in batch.sampled:  # the steps' placeholders
             del seq.token_ids[position:]
-        size = blocks.block_size
         for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens):
             forget(blocks, seq.block_table[start // size:(start + n) // size])
     groups = {id(seq.group): seq.group for batch in batches for seq in batch.seqs}
