@@ -1,16 +1,15 @@
-"""Cascade attention's merge, timed against other shapes of the same merge on a GPU
+"""Cascade attention's merge with 1 to 16 query heads a program, on a GPU
 (`python benchmarks/cascade_merge_variants.py`, from the repository root).
 
 The merge (kernels/decode.py `_merge_splits_kernel`, launched by kernels/cascade.py) combines each
-decode row's partial outputs (its own-key splits and its tile's prefix splits) by log-sum-exp: one
-program per (row, query head), 2 warps, [slots, head_dim] float32 partials each. At the bench
-workload's shared-prefix shape it takes about 6.5 us a layer on an H200 beside 65.5 us for the
-cascade launch (benchmarks/results/h200_session11_cascade_configs.log): about 5% of a cascade
-decode step, the margin by which that workload misses 2x (README, cascade attention).
-The variant here gives each program HEADS query heads of one row ([HEADS, slots, head_dim]): fewer,
-bigger programs. Each runs 28 times in one CUDA graph (a model's layers) on the partials of a real
-cascade launch, and must equal the merge's output. `merge_heads` is checked against the merge in
-Triton's interpreter on CPU (tests/test_cascade.py).
+decode row's partial outputs (its own-key splits and its tile's prefix splits) by log-sum-exp.
+It was one program per (row, query head) with 2 warps: about 6.5 us a layer on an H200 at the
+bench workload's shared-prefix shape beside 65.5 us for the cascade launch, ~5% of a cascade decode
+step. Here each program takes HEADS query heads of one row ([HEADS, slots, head_dim]): fewer,
+bigger programs; on an H200 4 heads with 4 warps took 2.9 us instead of 5.6
+(results/h200_session13_merge_variants.log), which kernels/cascade.py now launches. Each runs 28
+times in one CUDA graph (a model's layers) on the partials of a real cascade launch, and must
+equal its output.
 """
 import os
 import statistics
@@ -18,75 +17,25 @@ import sys
 
 import torch
 import triton
-import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanovllm.kernels.decode import _merge_splits_kernel, _split_range  # noqa: E402
+from nanovllm.kernels.decode import _merge_splits_kernel  # noqa: E402
 
 LAYERS = 28
 
 
-@triton.jit
-def _merge_heads_kernel(
-    partial_ptr, lse_ptr, out_ptr, cu_seqlens_q_ptr, context_lens_ptr, key_starts_ptr,
-    stride_pb, stride_ps, stride_ph, stride_lb, stride_ls, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-):
-    """_merge_splits_kernel for HEADS query heads of one row per program."""
-    seq = tl.program_id(0)
-    token = tl.load(cu_seqlens_q_ptr + seq)
-    if tl.load(cu_seqlens_q_ptr + seq + 1) - token != 1:
-        return
-    context_len = tl.load(context_lens_ptr + seq)
-    splits = tl.arange(0, SPLITS_PAD)
-    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
-    head_mask = heads < NUM_HEADS
-    src = tl.minimum(heads, NUM_HEADS - 1)  # padded heads read the last one's, never stored
-    dims = tl.arange(0, HEAD_DIM)
-    key_start = 0
-    if PREFIX_SPLITS > 0:
-        key_start = tl.load(key_starts_ptr + seq)
-    start, end = _split_range(key_start, context_len, splits, NUM_SPLITS, BLOCK_N)
-    live = (splits < NUM_SPLITS) & (start < end)
-    if PREFIX_SPLITS > 0:
-        prefix = splits - NUM_SPLITS
-        start, end = _split_range(0, key_start, prefix, PREFIX_SPLITS, PREFIX_BLOCK_N)
-        live |= (prefix >= 0) & (prefix < PREFIX_SPLITS) & (start < end)
-    lse = tl.load(lse_ptr + seq * stride_lb + splits[None, :] * stride_ls + src[:, None],
-                  mask=live[None, :], other=float("-inf"))  # [HEADS, SPLITS_PAD]
-    weight = tl.exp2(lse - tl.max(lse, 1)[:, None])
-    partial = tl.load(partial_ptr + seq * stride_pb + splits[None, :, None] * stride_ps
-                      + src[:, None, None] * stride_ph + dims[None, None, :],
-                      mask=live[None, :, None], other=0.0)  # [HEADS, SPLITS_PAD, D]
-    out = tl.sum(weight[:, :, None] * partial, 1) / tl.sum(weight, 1)[:, None]
-    tl.store(out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
-             + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
-
-
 def merge_args(partial, lse, out, cu, ctx, key_starts):
-    """The arguments both merges take, as kernels/cascade.py passes them."""
+    """The merge's arguments, as kernels/cascade.py passes them."""
     return (partial, lse, out, cu, ctx, key_starts, partial.stride(0), partial.stride(1),
             partial.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1))
 
 
-def merge(partial, lse, out, cu, ctx, key_starts, num_splits, prefix_splits, block_n):
-    """The engine's merge, launched as cascade_attention launches it."""
+def merge(partial, lse, out, cu, ctx, key_starts, num_splits, prefix_splits, block_n,
+          heads=1, num_warps=2):
+    """The merge as kernels/cascade.py launches it, with `heads` query heads a program (before
+    this benchmark: 1 head, 2 warps; now MERGE_HEADS, 4 warps)."""
     num_seqs, num_heads = ctx.shape[0], out.shape[1]
-    _merge_splits_kernel[(num_seqs, num_heads)](
-        *merge_args(partial, lse, out, cu, ctx, key_starts), HEAD_DIM=out.shape[2],
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, PREFIX_SPLITS=prefix_splits,
-        PREFIX_BLOCK_N=block_n, SPLITS_PAD=triton.next_power_of_2(num_splits + prefix_splits),
-        num_warps=2)
-    return out
-
-
-def merge_heads(partial, lse, out, cu, ctx, key_starts, num_splits, prefix_splits, block_n,
-                heads=16, num_warps=4):
-    """The variant: `heads` query heads of a row per program."""
-    num_seqs, num_heads = ctx.shape[0], out.shape[1]
-    _merge_heads_kernel[(num_seqs, triton.cdiv(num_heads, heads))](
+    _merge_splits_kernel[(num_seqs, triton.cdiv(num_heads, heads))](
         *merge_args(partial, lse, out, cu, ctx, key_starts), NUM_HEADS=num_heads, HEADS=heads,
         HEAD_DIM=out.shape[2], BLOCK_N=block_n, NUM_SPLITS=num_splits,
         PREFIX_SPLITS=prefix_splits, PREFIX_BLOCK_N=block_n,
@@ -152,8 +101,8 @@ def main():
         lse = scratch[1].view(256, slots, HQ, 1)
         args = (partial, lse, torch.empty_like(q), cu, ctx, ks, splits, psplits, block_n)
         base = per_layer_us(lambda: merge(*args))
-        variants = [("merge (the engine's)", lambda: merge(*args))] + [
-            (f"{h} heads, {w} warps", lambda h=h, w=w: merge_heads(*args, heads=h, num_warps=w))
+        variants = [("1 head, 2 warps (before)", lambda: merge(*args))] + [
+            (f"{h} heads, {w} warps", lambda h=h, w=w: merge(*args, heads=h, num_warps=w))
             for h, w in ((2, 2), (4, 2), (4, 4), (8, 4), (16, 4), (16, 8))]
         for name, fn in variants:
             us = per_layer_us(fn)

@@ -17,6 +17,7 @@ from nanovllm.attention.cascade import (  # noqa: E402
     MIN_SAVED_FRACTION, BlockCopies, pays, plan_tiles)
 from nanovllm.engine.step_inputs import StepInputs  # noqa: E402
 from nanovllm.kernels.cascade import cascade_attention, members_per_tile  # noqa: E402
+import triton  # noqa: E402
 from tests.helpers import make_llm, random_prompts, token_ids  # noqa: E402
 from tests.test_triton_kernels import (  # noqa: E402
     DEVICE, FP32_TOL, cu_seqlens, make_paged_cache, ref_attention, rel_err)
@@ -161,23 +162,41 @@ def test_unused_tiles_write_nothing():
                                                    lens[i], 0.125)) < FP32_TOL
 
 
+def chunks(start, end, n, block_n):
+    """kernels/decode.py's _split_range in Python: [start, end) cut into n whole-tile chunks."""
+    chunk = -(-(-(-(end - start) // n)) // block_n) * block_n
+    return [(start + i * chunk, min(start + (i + 1) * chunk, end)) for i in range(n)]
+
+
 @pytest.mark.parametrize("heads", [1, 4])
-def test_the_merge_variant_equals_the_merge(heads):
-    """benchmarks/cascade_merge_variants.py's merge with several heads a program (6 heads: one
-    program's last heads are padding) equals the merge, live splits only, prefill rows untouched."""
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
-    import cascade_merge_variants as variants
+def test_the_merge_combines_live_splits_by_log_sum_exp(heads):
+    """The merge with `heads` query heads a program (6 heads: with 4, the second program's last
+    two are padding) against float64: the live splits of each row weighted by 2^lse, its own keys'
+    splits then its prefix's; stale scratch ignored, prefill rows untouched."""
+    from nanovllm.kernels.decode import _merge_splits_kernel
     splits, psplits, block_n, num_heads, dim = 2, 3, 16, 6, 32
     q_lens, ctx, starts = [1, 1, 3, 1, 1], [40, 90, 12, 33, 100], [32, 0, 0, 16, 64]
     partial = torch.randn(5, splits + psplits, num_heads, dim, device=DEVICE)
     lse = torch.randn(5, splits + psplits, num_heads, 1, device=DEVICE) * 4
-    args = (partial, lse, None, cu_seqlens(q_lens, DEVICE), ints(ctx), ints(starts), splits,
-            psplits, block_n)
-    outs = [fn(*args[:2], torch.zeros(7, num_heads, dim, device=DEVICE), *args[3:], **kw)
-            for fn, kw in ((variants.merge, {}), (variants.merge_heads, {"heads": heads}))]
-    assert torch.allclose(outs[0], outs[1], atol=1e-5) and outs[0].abs().sum() > 0
-    assert not outs[1][2:5].any()  # the prefill row's three tokens
+    out = torch.zeros(7, num_heads, dim, device=DEVICE)
+    _merge_splits_kernel[(5, triton.cdiv(num_heads, heads))](
+        partial, lse, out, cu_seqlens(q_lens, DEVICE), ints(ctx), ints(starts),
+        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEADS=heads, HEAD_DIM=dim,
+        BLOCK_N=block_n, NUM_SPLITS=splits, PREFIX_SPLITS=psplits, PREFIX_BLOCK_N=block_n,
+        SPLITS_PAD=8)
+    token = 0
+    for row in range(5):
+        if q_lens[row] == 1:
+            ranges = chunks(starts[row], ctx[row], splits, block_n) + chunks(0, starts[row],
+                                                                             psplits, block_n)
+            live = [i for i, (a, b) in enumerate(ranges) if a < b]
+            w = torch.exp2(lse[row, live].double() - lse[row, live].max().double())
+            expected = (w * partial[row, live].double()).sum(0) / w.sum(0)
+            assert torch.allclose(out[token].double(), expected, atol=1e-5), f"row {row}"
+        else:
+            assert not out[token:token + q_lens[row]].any()  # the prefill row's tokens
+        token += q_lens[row]
 
 
 def test_cascade_reads_an_fp8_cache():
@@ -289,3 +308,24 @@ def test_beam_search_equals_plain(triton_llms):
         assert [t for t, _ in on] == [t for t, _ in off]
         # float tolerance: a GPU's float32 dots are tf32, summed in another order
         assert [s for _, s in on] == pytest.approx([s for _, s in off], rel=1e-3, abs=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: a GPU's")
+def test_a_twin_is_recaptured_with_room_for_more_tiles(tiny_path, monkeypatch):
+    """A decode graph's cascade twin launches its room for tiles: 8 rows that are one prompt's 8
+    samples (1 tile) capture room for 1; 4 prompts' 2 samples each (4 tiles) recapture it with
+    room for 4. The tokens equal plain decode's."""
+    llms = engines(tiny_path)
+    cascade = llms[True].model_runner.backend.cascade
+    rooms = []
+    capture = cascade.capture
+    monkeypatch.setattr(cascade, "capture", lambda runner, graph, num_tiles: rooms.append(
+        (graph.sizes[1], num_tiles)) or capture(runner, graph, num_tiles))
+    results = {}
+    for on, llm in llms.items():
+        results[on] = [[[c.token_ids for c in o.outputs] for o in llm.generate(
+            random_prompts(k, (40, 40), seed=10 + k), SamplingParams(
+                temperature=0, max_tokens=6, ignore_eos=True, n=8 // k), use_tqdm=False)]
+            for k in (1, 4)]
+    assert (8, 1) in rooms and (8, 4) in rooms and cascade.twins[8][3] == 4, rooms
+    assert results[True] == results[False]

@@ -192,14 +192,14 @@ class Cascade:
                                        self.num_splits(d), splits)
             return None
         size = graph.sizes[1]
-        if size not in self.twins:
-            self.twins[size] = self.capture(runner, graph)
-        twin, buffer, live = self.twins[size]
+        if size not in self.twins or len(tiles) > self.twins[size][3]:
+            self.twins[size] = self.capture(runner, graph, len(tiles))
+        twin, buffer, live, capacity = self.twins[size]
         # unused tiles have shared_len 0: zero only those the last step of this graph used
         pad = [0] * (2 + self.members) * max(0, live - len(tiles))
         flat = key_starts + [0] * (size - d) + [x for t in tiles for x in t] + pad
         self.upload(flat, runner, buffer[:len(flat)])
-        self.twins[size] = twin, buffer, len(tiles)
+        self.twins[size] = twin, buffer, len(tiles), capacity
         return twin
 
     def upload(self, values: list[int], runner, into: torch.Tensor | None = None) -> torch.Tensor:
@@ -208,19 +208,22 @@ class Cascade:
             return host.to(runner.device, non_blocking=True)
         return into.copy_(host, non_blocking=True)
 
-    def capture(self, runner, graph) -> tuple:
+    def capture(self, runner, graph, num_tiles: int) -> tuple:
         """A decode graph's twin that runs cascade attention: the same inputs, plus a plan buffer
-        of [B] key starts and B // 2 tiles (each tile has >= 2 rows)."""
+        of [B] key starts and room for num_tiles tiles, rounded up to a power of two from B // 16
+        to B // 2 (every tile has >= 2 rows). The launch is static: every tile it has room for is
+        a program per KV head and split, and each unused one costs an SM slot for a moment, so a
+        step with more tiles recaptures the twin bigger rather than every twin taking B // 2."""
         from nanovllm.engine.cuda_graphs import FullGraph, unpack
         size = graph.sizes[1]
-        num_tiles = size // 2
-        buffer = torch.zeros(size + num_tiles * (2 + self.members), dtype=torch.int32,
+        capacity = min(size // 2, max(size // 16, triton.next_power_of_2(num_tiles)))
+        buffer = torch.zeros(size + capacity * (2 + self.members), dtype=torch.int32,
                              device=runner.device)
         input_ids, positions, meta = unpack(graph.inputs, graph.sizes, graph.sizes, size)
         tiles_guess = max(1, size // 16)  # the grid is static: assume 16 rows a tile
         splits = prefix_splits(tiles_guess, self.backend.num_kv_heads, self.backend.num_sms,
                                self.max_model_len)
-        meta.cascade = CascadeStep(buffer[:size], buffer[size:].view(num_tiles, -1),
+        meta.cascade = CascadeStep(buffer[:size], buffer[size:].view(capacity, -1),
                                    self.num_splits(size), splits)
         self.pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
         start = time.perf_counter()
@@ -228,4 +231,4 @@ class Cascade:
         twin.sizes, twin.inputs = graph.sizes, graph.inputs
         twin.ends_in_logits = graph.ends_in_logits
         self.capture_seconds += time.perf_counter() - start
-        return twin, buffer, 0
+        return twin, buffer, 0, capacity

@@ -132,16 +132,21 @@ def _decode_split(
 def _merge_splits_kernel(
     partial_ptr, lse_ptr, out_ptr, cu_seqlens_q_ptr, context_lens_ptr, key_starts_ptr,
     stride_pb, stride_ps, stride_ph, stride_lb, stride_ls, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    PREFIX_SPLITS: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
+    """One program per (decode row, HEADS of its query heads): their splits' partial outputs
+    merged by log-sum-exp."""
     seq = tl.program_id(0)
-    head = tl.program_id(1)
     token = tl.load(cu_seqlens_q_ptr + seq)
     next_token = tl.load(cu_seqlens_q_ptr + seq + 1)
     context_len = tl.load(context_lens_ptr + seq)
     if next_token - token != 1:
         return
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    head_mask = heads < NUM_HEADS
+    heads = tl.minimum(heads, NUM_HEADS - 1)  # padding heads read the last one's, never stored
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM)
     key_start = 0
@@ -153,14 +158,15 @@ def _merge_splits_kernel(
         prefix = splits - NUM_SPLITS
         start, end = _split_range(0, key_start, prefix, PREFIX_SPLITS, PREFIX_BLOCK_N)
         live |= (prefix >= 0) & (prefix < PREFIX_SPLITS) & (start < end)
-    lse = tl.load(lse_ptr + seq * stride_lb + splits * stride_ls + head, mask=live,
-                  other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))  # [SPLITS_PAD]; 2^-inf = 0 for the dead splits
-    partial = tl.load(partial_ptr + seq * stride_pb + splits[:, None] * stride_ps + head * stride_ph
-                      + dims[None, :], mask=live[:, None], other=0.0)  # [SPLITS_PAD, D]
-    out = tl.sum(weight[:, None] * partial, 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims,
-             out.to(out_ptr.dtype.element_ty))
+    lse = tl.load(lse_ptr + seq * stride_lb + splits[None, :] * stride_ls + heads[:, None],
+                  mask=live[None, :], other=float("-inf"))  # [HEADS, SPLITS_PAD]
+    weight = tl.exp2(lse - tl.max(lse, 1)[:, None])  # 2^-inf = 0 for the dead splits
+    partial = tl.load(partial_ptr + seq * stride_pb + splits[None, :, None] * stride_ps
+                      + heads[:, None, None] * stride_ph + dims[None, None, :],
+                      mask=live[None, :, None], other=0.0)  # [HEADS, SPLITS_PAD, D]
+    out = tl.sum(weight[:, :, None] * partial, 1) / tl.sum(weight, 1)[:, None]
+    tl.store(out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+             + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
 
 
 def decode_config(head_dim: int, fp8: bool = False) -> dict:
@@ -257,8 +263,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _merge_splits_kernel[(num_seqs, num_heads)](
             partial, lse, out, cu_seqlens_q, context_lens, context_lens,
             partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits, PREFIX_SPLITS=0,
-            PREFIX_BLOCK_N=1, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEADS=1, HEAD_DIM=head_dim,
+            BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits, PREFIX_SPLITS=0, PREFIX_BLOCK_N=1,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
         )
     return out
