@@ -40,7 +40,7 @@ class InputProcessor:
                              "or drop skip_tokenizer_init")
         if text is not None:
             prompt = self.tokenizer.encode(text)
-        if not isinstance(prompt, (list, tuple)) or not all(type(t) is int for t in prompt):
+        if not isinstance(prompt, (list, tuple)) or not set(map(type, prompt)) <= {int}:
             raise TypeError("a prompt must be a string, a list of token ids (int) or a dict with "
                             f"'prompt' or 'prompt_token_ids', not {type(prompt).__name__}")
         vocab, max_len = self.config.hf_config["vocab_size"], self.config.max_model_len
