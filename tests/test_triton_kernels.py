@@ -192,7 +192,8 @@ def test_prefill_skips_unused_tiles():
 
 # ---------- decode ----------
 
-def check_decode(context_lens, num_heads, num_kv_heads, head_dim, block_size, num_splits, dtype, device, tol):
+def check_decode(context_lens, num_heads, num_kv_heads, head_dim, block_size, num_splits, dtype, device, tol,
+                 decode_attention=decode_attention):
     """Decode rows (one query token) among rows the kernel must leave alone: context 0 is a CUDA graph's
     padding sequence (no query token), and one sequence carries a 3-token prefill chunk."""
     lens = [max(n, 1) for n in context_lens] + [40]
@@ -227,6 +228,20 @@ def test_decode_attention(head_dim, num_heads, num_kv_heads, block_size):
 def test_decode_split_counts(num_splits):
     """One split (direct write), a few, and more splits than a short context has tiles (empty splits)."""
     check_decode([0, 1, 17, 129, 700], 8, 2, 64, 32, num_splits, torch.float32, DEVICE, FP32_TOL)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,num_splits", [(8, 2, 1), (6, 2, 3), (4, 4, 2)])
+def test_the_packed_decode_benchmark_attends(num_heads, num_kv_heads, num_splits):
+    """benchmarks/packed_decode.py's kernel (every KV head of a row in one program; 6 heads pad to
+    16 rows) against float64, rows it must leave alone untouched."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    from packed_decode import packed_decode
+
+    def packed(*args, **kwargs):
+        return packed_decode(*args, **kwargs, block_n=4)
+    check_decode([0, 1, 17, 129, 70], num_heads, num_kv_heads, 32, 16, num_splits, torch.float32, DEVICE,
+                 FP32_TOL, packed)
 
 
 def test_num_decode_splits_is_static_and_bounded():
