@@ -12,9 +12,9 @@ The rule: cascade runs when the keys it saves, (members - 1) x shared_len summed
 least MIN_SAVED_FRACTION of all the keys the step's decodes read; otherwise plain decode does.
 
 CUDA graphs: a decode step that uses cascade replays a twin of its decode graph, captured the first
-time it is needed, that reads the same inputs plus the plan at fixed addresses (up to one tile per
-two rows; unused tiles have shared_len 0). The triton backend alone does this; the others ignore
-`disable_cascade_attn`.
+time it is needed, that reads the same inputs plus the plan at fixed addresses (room for the tiles
+its steps have had, recaptured bigger when a step has more; unused tiles have shared_len 0). The
+triton backend alone does this; the others ignore `disable_cascade_attn`.
 """
 import time
 from dataclasses import dataclass
@@ -210,10 +210,11 @@ class Cascade:
 
     def capture(self, runner, graph, num_tiles: int) -> tuple:
         """A decode graph's twin that runs cascade attention: the same inputs, plus a plan buffer
-        of [B] key starts and room for num_tiles tiles, rounded up to a power of two from B // 16
-        to B // 2 (every tile has >= 2 rows). The launch is static: every tile it has room for is
-        a program per KV head and split, and each unused one costs an SM slot for a moment, so a
-        step with more tiles recaptures the twin bigger rather than every twin taking B // 2."""
+        of [B] key starts and room for num_tiles tiles: the next power of two, at least B // 16
+        and at most B // 2 (every tile has >= 2 rows). The launch is static: every tile it has
+        room for is a program per KV head and split, and each unused one costs an SM slot for a
+        moment, so a step with more tiles recaptures the twin bigger rather than every twin taking
+        B // 2."""
         from nanovllm.engine.cuda_graphs import FullGraph, unpack
         size = graph.sizes[1]
         capacity = min(size // 2, max(size // 16, triton.next_power_of_2(num_tiles)))
