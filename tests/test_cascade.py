@@ -149,6 +149,44 @@ def test_cascade_attention_equals_the_reference(num_heads, num_kv_heads, block_s
     assert out[num_rows:].isnan().all(), "the prefill chunk's rows were written"
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (3, 1)])
+@pytest.mark.parametrize("num_splits,prefix_splits,own_first", [(1, 1, False), (3, 4, False),
+                                                                (2, 3, True)])
+def test_the_fold_merge_benchmark_equals_cascade(num_heads, num_kv_heads, num_splits,
+                                                 prefix_splits, own_first):
+    """benchmarks/cascade_fold_merge.py's one launch (the last program to finish a row merges it)
+    against kernels/cascade.py's launch + merge, twice on the same counters (each launch leaves
+    them zero): two groups, a row of its own, unused tiles, a padding row and a prefill row. The
+    interpreter runs programs in order: own-key programs first lets prefix programs merge."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    from cascade_fold_merge import cascade_fold_attention
+    random.seed(1)
+    block_size, head_dim = 16, 32
+    members = members_per_tile(num_heads // num_kv_heads)
+    groups = [list(range(members + 2)), [members + 2, members + 3]]
+    num_rows = members + 5
+    own = [random.randint(1, 2 * block_size) for _ in range(num_rows)] + [40]
+    k_cache, v_cache, tables, lens = shared_cache(groups, own, 2, num_kv_heads, head_dim,
+                                                  block_size)
+    context_lens = lens[:num_rows] + [0] + [lens[-1]]
+    tables = torch.cat([tables[:num_rows], tables[:1], tables[-1:]])
+    q_lens = [1] * num_rows + [0, 3]
+    key_starts, tiles, _ = plan_tiles(tables.tolist(), context_lens, num_rows, block_size,
+                                      members)
+    tiles += [[0] * (2 + members)] * 2  # a graph's room for more tiles
+    args = (torch.randn(sum(q_lens), num_heads, head_dim, device=DEVICE), k_cache, v_cache,
+            cu_seqlens(q_lens, DEVICE), ints(context_lens), tables, ints(key_starts + [0, 0]),
+            ints(tiles), head_dim ** -0.5, num_splits, prefix_splits)
+    expected = cascade_attention(*args, out=torch.full_like(args[0], float("nan")))
+    counts = torch.zeros(len(context_lens) * num_heads, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):
+        out = cascade_fold_attention(*args, counts, out=torch.full_like(args[0], float("nan")),
+                                     own_first=own_first)
+        assert torch.allclose(out[:num_rows], expected[:num_rows], atol=1e-5)
+        assert out[num_rows:].isnan().all() and not counts.any()
+
+
 def test_unused_tiles_write_nothing():
     """A CUDA graph launches a fixed number of tiles: those with shared_len 0 are skipped."""
     k_cache, v_cache, tables, lens = shared_cache([[0, 1]], [5, 9], 2, 2, 64, 16)
