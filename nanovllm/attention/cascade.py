@@ -160,7 +160,7 @@ class Cascade:
                     for b in range(1, config.max_num_seqs + 1))
         self.scratch = cascade_scratch(slots, 1, backend.num_heads, backend.head_dim,
                                        torch.device(config.device))
-        # decode graph size -> (graph, its plan buffer, tiles its last step used)
+        # decode graph size -> (graph, its plan buffer, tiles its last step used, its room)
         self.twins: dict[int, tuple] = {}
         self.pool = None
         self.num_steps = 0  # steps that ran cascade attention (tests and benchmarks read it)
