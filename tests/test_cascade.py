@@ -187,6 +187,34 @@ def test_the_fold_merge_benchmark_equals_cascade(num_heads, num_kv_heads, num_sp
         assert out[num_rows:].isnan().all() and not counts.any()
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,kv_heads,own_block_n", [(4, 2, 2, 8),
+                                                                         (8, 4, 2, 4),
+                                                                         (3, 1, 1, 16)])
+def test_the_packed_cascade_benchmark_equals_cascade(num_heads, num_kv_heads, kv_heads,
+                                                     own_block_n):
+    """benchmarks/packed_decode.py's cascade launch (the rows' own keys read kv_heads KV heads a
+    program) against kernels/cascade.py's, with own-key splits and unused tiles."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    from packed_decode import cascade_packed_attention
+    random.seed(2)
+    block_size, head_dim = 16, 32
+    members = members_per_tile(num_heads // num_kv_heads)
+    groups = [list(range(members + 2)), [members + 2, members + 3]]
+    num_rows = members + 5
+    own = [random.randint(1, 3 * block_size) for _ in range(num_rows)]
+    k_cache, v_cache, tables, lens = shared_cache(groups, own, 2, num_kv_heads, head_dim,
+                                                  block_size)
+    key_starts, tiles, _ = plan_tiles(tables.tolist(), lens, num_rows, block_size, members)
+    tiles += [[0] * (2 + members)]
+    args = (torch.randn(num_rows, num_heads, head_dim, device=DEVICE), k_cache, v_cache,
+            cu_seqlens([1] * num_rows, DEVICE), ints(lens), tables, ints(key_starts), ints(tiles),
+            head_dim ** -0.5, 2, 3)
+    expected = cascade_attention(*args)
+    out = cascade_packed_attention(*args, kv_heads, own_block_n)
+    assert torch.allclose(out, expected, atol=1e-5)
+
+
 def test_unused_tiles_write_nothing():
     """A CUDA graph launches a fixed number of tiles: those with shared_len 0 are skipped."""
     k_cache, v_cache, tables, lens = shared_cache([[0, 1]], [5, 9], 2, 2, 64, 16)

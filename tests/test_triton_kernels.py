@@ -230,16 +230,17 @@ def test_decode_split_counts(num_splits):
     check_decode([0, 1, 17, 129, 700], 8, 2, 64, 32, num_splits, torch.float32, DEVICE, FP32_TOL)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,num_splits", [(8, 2, 1), (6, 2, 3), (4, 4, 2)])
-def test_the_packed_decode_benchmark_attends(num_heads, num_kv_heads, num_splits):
-    """benchmarks/packed_decode.py's kernel (every KV head of a row in one program; 6 heads pad to
-    16 rows) against float64, rows it must leave alone untouched."""
+@pytest.mark.parametrize("num_heads,num_kv_heads,num_splits,kv_heads",
+                         [(8, 2, 1, None), (6, 2, 3, 1), (4, 4, 2, 2), (8, 4, 1, 2)])
+def test_the_packed_decode_benchmark_attends(num_heads, num_kv_heads, num_splits, kv_heads):
+    """benchmarks/packed_decode.py's kernel (kv_heads KV heads of a row in one program, None: all;
+    6 heads pad to 16 rows) against float64, rows it must leave alone untouched."""
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
     from packed_decode import packed_decode
 
     def packed(*args, **kwargs):
-        return packed_decode(*args, **kwargs, block_n=4)
+        return packed_decode(*args, **kwargs, block_n=4, kv_heads=kv_heads)
     check_decode([0, 1, 17, 129, 70], num_heads, num_kv_heads, 32, 16, num_splits, torch.float32, DEVICE,
                  FP32_TOL, packed)
 
