@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Cascade attention's GPU figures in one call (README "Cascade attention (triton)"):
 #   bash benchmarks/cascade_gpu.sh OUTDIR [parts]   parts: kernels bench profile default tests
+#   (also: fold merge packed, the kernel variants of cascade_fold_merge.py, cascade_merge_variants.py
+#   and packed_decode.py)
 out=${1:-/tmp/nanovllm-cascade}; parts=${2:-"kernels bench profile default tests"}; mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.log"
@@ -16,6 +18,9 @@ for part in $parts; do
     default) timeout 200 python3 bench.py --attn-backend triton --cascade off on \
                > "$log" 2>&1 ;;
     tests) timeout 200 python3 -m pytest -q tests/ -k cascade -p no:cacheprovider > "$log" 2>&1 ;;
+    fold) timeout 150 python3 benchmarks/cascade_fold_merge.py > "$log" 2>&1 ;;
+    merge) timeout 150 python3 benchmarks/cascade_merge_variants.py > "$log" 2>&1 ;;
+    packed) timeout 400 python3 benchmarks/packed_decode.py > "$log" 2>&1 ;;
   esac
   grep -v "^$\|[Ww]arn\|^|---\|^| *[0-9.]* | void\|Memcpy\|Memset\|^| *[0-9]\.[0-9] |" "$log" \
     | grep "|\|passed\|failed\|Error\|per step\|median\|: _\|^[A-Za-z0-9 ,-]*, cascade" | tail -70
