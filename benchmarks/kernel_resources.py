@@ -5,6 +5,12 @@ ptxas) and reads the cubin with Triton's cuobjdump.
 Decode attention is bound by memory latency when few programs share an SM, so what limits the
 programs per SM (registers: 65,536 per SM; shared memory: 228 KB) is worth knowing before a GPU
 is at hand. Qwen3-0.6B's shapes: 2 query heads per KV head, head_dim 128, bf16, 256-token blocks.
+`--variants` adds the launches prepared in benchmarks/cascade_fold_merge.py and
+benchmarks/packed_decode.py, each also capped at 128 registers (`maxnreg`).
+
+The figures depend on Triton's version: run it with the GPU host's (3.6 in these sessions; e.g. in
+a venv with the system's packages, `pip install triton==3.6.0`), whose cascade launch holds 128
+registers as the H200 reported, where Triton 3.9 gives 154 (results/offline_sm90_resources.log).
 """
 import os
 import re
@@ -20,7 +26,7 @@ from nanovllm.kernels.cascade import _cascade_kernel, members_per_tile
 from nanovllm.kernels.decode import _decode_split_kernel
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-INT_POINTERS = ("cu_seqlens", "context_lens", "block_tables", "key_starts", "tiles")
+INT_POINTERS = ("cu_seqlens", "context_lens", "block_tables", "key_starts", "tiles", "counts")
 
 
 def signature(fn, constexprs: dict) -> dict:
@@ -48,12 +54,15 @@ def aligned(fn, types: dict) -> dict:
             if types[name] != "constexpr" and types[name] != "fp32" and name not in skip}
 
 
-def resources(fn, constexprs: dict, num_warps: int, num_stages: int = 2) -> tuple:
+def resources(fn, constexprs: dict, num_warps: int, num_stages: int = 2,
+              maxnreg: int | None = None) -> tuple:
     """(registers per thread, stack bytes per thread, shared bytes, programs per SM)."""
     types = signature(fn, constexprs)
     src = ASTSource(fn=fn, signature=types, constexprs=constexprs, attrs=aligned(fn, types))
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -85,5 +94,33 @@ def main():
                       flush=True)
 
 
+def variants():
+    """The launches prepared for the next GPU session, with and without a 128-register cap."""
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from cascade_fold_merge import _cascade_fold_kernel
+    from packed_decode import _cascade_packed_kernel
+    cascade = dict(GROUP=2, MEMBERS=members_per_tile(2), ROWS_PAD=32, HEAD_DIM=128,
+                   BLOCK_SIZE=256, BLOCK_N=64, NUM_KV_HEADS=8, NUM_SPLITS=1, PREFIX_SPLITS=3,
+                   DOT_DTYPE=tl.bfloat16, FP8_ASM=False)
+    rows = [("cascade (the engine's)", _cascade_kernel, dict(cascade, GROUP_PAD=16)),
+            ("cascade, merge folded in", _cascade_fold_kernel,
+             dict(cascade, GROUP_PAD=16, OWN_FIRST=False))]
+    rows += [(f"cascade, own keys {h} KV heads x {n} keys a program", _cascade_packed_kernel,
+              dict(cascade, KV_HEADS=h, HEADS_PAD=max(16, 2 * h), OWN_BLOCK_N=n))
+             for h, n in ((1, 64), (2, 32), (4, 16), (8, 8), (8, 16))]
+    print(f"\nsm_90 (compiled here, Triton {triton.__version__}), 4 warps, 2 stages\n\n"
+          "| launch | register cap | registers | stack bytes | shared bytes | programs per SM |\n"
+          "|---|---|---|---|---|---|")
+    for name, fn, constexprs in rows:
+        for cap in (None, 128):
+            regs, stack, shared, per_sm = resources(fn, constexprs, 4, maxnreg=cap)
+            print(f"| {name} | {cap or '-'} | {regs} | {stack} | {shared} | {per_sm} |",
+                  flush=True)
+
+
 if __name__ == "__main__":
+    import sys
     main()
+    if "--variants" in sys.argv:
+        variants()

@@ -19,7 +19,9 @@ bfloat16, batch 256, 16 keys a tile: 1.05x to 1.14x the decode kernel at context
 but 0.85x at 1,024. As the own-key programs of cascade attention's one launch it was slower, 0.90x
 to 0.98x (h200_session13_cascade_anatomy.log): 150 to 190 registers a thread against 128 leave
 fewer programs per SM for the prefix programs beside them. KV_HEADS of 2 or 4 (tiles of 64 rows,
-as the engine's) are not measured yet. Not in the engine; `packed_decode` and
+as the engine's) are not measured yet; compiled offline for sm_90 with the GPU host's Triton 3.6,
+the launch holds 150 registers a thread with 2, 4 or 8 KV heads a program, and 128 with no spills
+when capped (`maxnreg`), so `main` times both. Not in the engine; `packed_decode` and
 `cascade_packed_attention` are checked against float64 and kernels/cascade.py in Triton's
 interpreter (tests/test_triton_kernels.py, tests/test_cascade.py).
 """
@@ -206,7 +208,8 @@ def _cascade_packed_kernel(
 
 def cascade_packed_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
                              key_starts, tiles, scale, num_splits, prefix_splits, kv_heads,
-                             own_block_n, scratch=None, out=None, k_scale=1.0, v_scale=1.0):
+                             own_block_n, scratch=None, out=None, k_scale=1.0, v_scale=1.0,
+                             maxnreg=None):
     """kernels/cascade.py's cascade_attention with the rows' own keys read kv_heads KV heads a
     program, own_block_n keys a tile."""
     num_heads, head_dim = q.shape[1:]
@@ -234,7 +237,7 @@ def cascade_packed_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, bl
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], NUM_KV_HEADS=num_kv_heads,
         NUM_SPLITS=num_splits, PREFIX_SPLITS=prefix_splits, KV_HEADS=kv_heads,
         HEADS_PAD=heads_pad(kv_heads, group), OWN_BLOCK_N=own_block_n,
-        **widen_config(q.dtype, k_cache.dtype), **cfg)
+        **widen_config(q.dtype, k_cache.dtype), **cfg, **({"maxnreg": maxnreg} if maxnreg else {}))
     _merge_splits_kernel[(num_seqs, triton.cdiv(num_heads, 4))](
         partial, lse, out, cu_seqlens_q, context_lens, key_starts, *strides, out.stride(0),
         out.stride(1), NUM_HEADS=num_heads, HEADS=4, HEAD_DIM=head_dim, BLOCK_N=own_block_n,
@@ -314,13 +317,15 @@ def main():
         base = per_layer_us(lambda: cascade_attention(*args, out=out))
         print(f"| {batch} | {group} | {shared} | {own} | the engine's (1 KV head x 64 keys) | "
               f"{base:.1f} | - | 1.00x |", flush=True)
-        for h, n in ((1, 64), (2, 32), (4, 16), (8, 8), (8, 16)):
-            def fn(h=h, n=n):
-                return cascade_packed_attention(*args, h, n, out=out)
+        for (h, n), r in itertools.product(((1, 64), (2, 32), (4, 16), (8, 8), (8, 16)),
+                                           (None, 128)):
+            def fn(h=h, n=n, r=r):
+                return cascade_packed_attention(*args, h, n, out=out, maxnreg=r)
             us = per_layer_us(fn)
             diff = (fn().float() - ref).abs().max().item()
-            print(f"| {batch} | {group} | {shared} | {own} | {h} KV heads x {n} keys | {us:.1f} | "
-                  f"{diff:.1e} | {base / us:.2f}x |", flush=True)
+            regs = f", at most {r} registers" if r else ""
+            print(f"| {batch} | {group} | {shared} | {own} | {h} KV heads x {n} keys{regs} | "
+                  f"{us:.1f} | {diff:.1e} | {base / us:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
