@@ -19,7 +19,12 @@ inline PTX), "pfk" K too: both slower; "swap" runs the dots the other way round,
 O^T = V^T P^T, so the keys are the MMA's M (64: Hopper's wgmma) and the GROUP query heads its N,
 padded to 8: 1.04-1.06x "asm" at batch 64-256 and 1.18x at batch 16, still at most 3.0 TB/s.
 Stages written (n, r) cap the registers at r (maxnreg): "f16" 128/4/(2, 128), the FP8 decode config
-since, is 1.09-1.21x "asm" 64/4/2 (h200_session11_fp8_occupancy.log).
+since, is 1.09-1.21x "asm" 64/4/2 (h200_session11_fp8_occupancy.log). Compiled offline (session
+13, `kernel_resources.py --fp8`, results/offline_sm90_resources.log), that config's key-tile loop
+is 1,312 instructions a thread for 32 KB of cache (41 a KB; bfloat16's 13.2): V widened after its
+transpose reads shared memory a byte at a time (177 LDS). "asm" 128/4/(2, 128) runs the same tile
+in 797 (24.9 a KB) with no spills, at 3 programs an SM instead of 4 (72 KB of shared memory): not
+yet timed.
 """
 import importlib.util
 import math
@@ -178,7 +183,8 @@ DECODE_VARIANTS = [("f16", 64, 4, 2), ("f16", 128, 4, 2), ("asm", 64, 4, 2), ("a
                    ("k8", 64, 4, 2), ("k8", 128, 4, 2), ("k8x2", 64, 4, 2), ("k8x2", 64, 4, 3),
                    ("k8x2", 128, 4, 2), ("k8x2", 128, 8, 2), ("pf", 64, 4, 2), ("pfk", 64, 4, 2),
                    ("swap", 64, 4, 2), ("swap", 64, 4, 3), ("swap", 128, 4, 3), ("swap", 64, 2, 2),
-                   ("asm", 64, 2, 2), ("asm", 64, 4, (2, 96)), ("f16", 128, 4, (2, 128))]
+                   ("asm", 64, 2, 2), ("asm", 64, 4, (2, 96)), ("f16", 128, 4, (2, 128)),
+                   ("asm", 128, 4, (2, 128))]
 PREFILL_VARIANTS = [("f16", 64, 4, 2), ("asm", 32, 4, 2), ("asm", 64, 4, 2), ("asm", 64, 4, 3),
                     ("asm", 128, 8, 2), ("asmkv", 64, 4, 2), ("asmkv", 32, 4, 2)]
 

@@ -6,7 +6,8 @@ Decode attention is bound by memory latency when few programs share an SM, so wh
 programs per SM (registers: 65,536 per SM; shared memory: 228 KB) is worth knowing before a GPU
 is at hand. Qwen3-0.6B's shapes: 2 query heads per KV head, head_dim 128, bf16, 256-token blocks.
 `--variants` adds the launches prepared in benchmarks/cascade_fold_merge.py and
-benchmarks/packed_decode.py, each also capped at 128 registers (`maxnreg`).
+benchmarks/packed_decode.py, each also capped at 128 registers (`maxnreg`); `--fp8` counts the
+instructions of the decode kernel's key-tile loop (from its SASS) over bf16 and FP8 caches.
 
 The figures depend on Triton's version: run it with the GPU host's (3.6 in these sessions; e.g. in
 a venv with the system's packages, `pip install triton==3.6.0`), whose cascade launch holds 128
@@ -54,20 +55,30 @@ def aligned(fn, types: dict) -> dict:
             if types[name] != "constexpr" and types[name] != "fp32" and name not in skip}
 
 
-def resources(fn, constexprs: dict, num_warps: int, num_stages: int = 2,
-              maxnreg: int | None = None) -> tuple:
-    """(registers per thread, stack bytes per thread, shared bytes, programs per SM)."""
+def compiled(fn, constexprs: dict, num_warps: int, num_stages: int = 2,
+             maxnreg: int | None = None, cache: str = "*bf16"):
     types = signature(fn, constexprs)
+    types.update({name: cache for name in ("k_cache_ptr", "v_cache_ptr") if name in types})
     src = ASTSource(fn=fn, signature=types, constexprs=constexprs, attrs=aligned(fn, types))
     options = dict(num_warps=num_warps, num_stages=num_stages)
     if maxnreg:
         options["maxnreg"] = maxnreg
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def cuobjdump(kernel, flag: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True,
-                               text=True, check=True).stdout
+        return subprocess.run([CUOBJDUMP, flag, f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def resources(fn, constexprs: dict, num_warps: int, num_stages: int = 2,
+              maxnreg: int | None = None, kernel=None) -> tuple:
+    """(registers per thread, stack bytes per thread, shared bytes, programs per SM)."""
+    kernel = kernel or compiled(fn, constexprs, num_warps, num_stages, maxnreg)
+    usage = cuobjdump(kernel, "--dump-resource-usage")
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     shared = kernel.metadata.shared
@@ -92,6 +103,44 @@ def main():
                                                         warps)
                 print(f"| {name} | {block_n} | {warps} | {regs} | {stack} | {shared} | {per_sm} |",
                       flush=True)
+
+
+def loop_body(kernel) -> list[str]:
+    """The opcodes of the kernel's longest loop (from a backward branch to its target): a key
+    tile's work, per thread of a warp."""
+    lines = re.findall(r"/\*([0-9a-f]{4})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);",
+                       cuobjdump(kernel, "-sass"))
+    loops = [(int(m.group(1), 16), int(address, 16)) for address, op, rest in lines
+             if op.startswith("BRA") and (m := re.search(r"0x([0-9a-f]+)", rest))
+             and int(m.group(1), 16) < int(address, 16)]
+    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
+    return [op.split(".")[0] for address, op, _ in lines if start <= int(address, 16) <= end]
+
+
+def fp8_decode():
+    """Instructions a key tile costs the decode kernel over bf16 and FP8 caches: where the FP8
+    cache's time goes (half the bytes, but more instructions a byte)."""
+    from collections import Counter
+    common = dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=256, NUM_SPLITS=1,
+                  CASCADE=False)
+    rows = [("bf16", 64, tl.bfloat16, False, None), ("FP8 .to() (the engine's)", 128, tl.float16,
+                                                     False, 128),
+            ("FP8 widen_v PTX", 64, tl.float16, True, None),
+            ("FP8 widen_v PTX", 128, tl.float16, True, 128)]
+    print(f"\ndecode kernel, sm_90 (compiled here, Triton {triton.__version__}), 4 warps, 2 stages"
+          "\n\n| cache, widening | BLOCK_N | register cap | registers | shared bytes | programs "
+          "per SM | instructions a tile | a KB of cache | most common |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+    for name, block_n, dot, asm, cap in rows:
+        constexprs = dict(common, BLOCK_N=block_n, DOT_DTYPE=dot, FP8_ASM=asm)
+        kernel = compiled(_decode_split_kernel, constexprs, 4, maxnreg=cap,
+                          cache="*bf16" if name == "bf16" else "*fp8e4nv")
+        regs, _, shared, per_sm = resources(None, None, 4, kernel=kernel)
+        body = loop_body(kernel)
+        kb = block_n * 128 * 2 * (2 if name == "bf16" else 1) / 1024  # K and V of a tile
+        top = ", ".join(f"{op} {n}" for op, n in Counter(body).most_common(5))
+        print(f"| {name} | {block_n} | {cap or '-'} | {regs} | {shared} | {per_sm} | "
+              f"{len(body)} | {len(body) / kb:.1f} | {top} |", flush=True)
 
 
 def variants():
@@ -124,3 +173,5 @@ if __name__ == "__main__":
     main()
     if "--variants" in sys.argv:
         variants()
+    if "--fp8" in sys.argv:
+        fp8_decode()
