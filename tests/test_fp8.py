@@ -93,6 +93,31 @@ def test_decode_reads_an_fp8_cache(num_heads, num_kv_heads, head_dim, num_splits
     assert out[-3:].isnan().all()
 
 
+@pytest.mark.parametrize("block_n", [8, 16])
+def test_the_transposed_v_benchmark_attends(block_n):
+    """benchmarks/fp8_vt_decode.py's kernel (V stored [block, KV head, dim, slot]) against float64
+    over the dequantized cache. It loads the slots past a row's end too and zeroes them: a GPU
+    widens their NaN poison to NaN, which this catches; Triton's interpreter widens e4m3's NaN
+    (0x7f) to 480, which a zero weight cancels, so on CPU it cannot."""
+    import sys
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from fp8_vt_decode import transposed, vt_decode
+    context_lens = [1, 15, 16, 17, 33, 0, 100]
+    lens = [max(n, 1) for n in context_lens]
+    k8, v8, k_ref, v_ref, tables = fp8_paged_cache(lens, 2, 64, 16)
+    q_lens = [1 if n else 0 for n in context_lens]
+    q = torch.randn(sum(q_lens), 4, 64, device=DEVICE)
+    cu = cu_seqlens(q_lens, DEVICE)
+    out = vt_decode(q, k8, transposed(v8), cu, torch.tensor(context_lens, dtype=torch.int32,
+                                                              device=DEVICE),
+                    tables, 0.125, K_SCALE, V_SCALE, block_n=block_n)
+    for i, n in enumerate(context_lens):
+        if n:
+            row = int(cu[i])
+            ref = ref_attention(q[row:row + 1], k_ref, v_ref, tables[i], n, 0.125)
+            assert rel_err(out[row:row + 1], ref) < FP32_TOL, f"row {i} (context {n})"
+
+
 @pytest.mark.parametrize("kind,tol", [("k8", 0.2), ("k8x2", BF16_TOL)])
 def test_the_sweeps_fp8_tensor_core_variants_attend(kind, tol):
     """benchmarks/fp8_kernel_variants.py's decode variants that run q @ K^T on FP8 tensor cores
