@@ -23,8 +23,9 @@ since, is 1.09-1.21x "asm" 64/4/2 (h200_session11_fp8_occupancy.log). Compiled o
 13, `kernel_resources.py --fp8`, results/offline_sm90_resources.log), that config's key-tile loop
 is 1,312 instructions a thread for 32 KB of cache (41 a KB; bfloat16's 13.2): V widened after its
 transpose reads shared memory a byte at a time (177 LDS). "asm" 128/4/(2, 128) runs the same tile
-in 797 (24.9 a KB) with no spills, at 3 programs an SM instead of 4 (72 KB of shared memory): not
-yet timed.
+in 797 (24.9 a KB) with no spills, at 3 programs an SM instead of 4 (72 KB of shared memory), and
+"swap" 128/4/(2, 128) in 649: both added, not yet timed. Instructions alone do not decide it:
+"swap" 64/2/2 issues half the engine config's a KB and took as long.
 """
 import importlib.util
 import math
@@ -184,7 +185,7 @@ DECODE_VARIANTS = [("f16", 64, 4, 2), ("f16", 128, 4, 2), ("asm", 64, 4, 2), ("a
                    ("k8x2", 128, 4, 2), ("k8x2", 128, 8, 2), ("pf", 64, 4, 2), ("pfk", 64, 4, 2),
                    ("swap", 64, 4, 2), ("swap", 64, 4, 3), ("swap", 128, 4, 3), ("swap", 64, 2, 2),
                    ("asm", 64, 2, 2), ("asm", 64, 4, (2, 96)), ("f16", 128, 4, (2, 128)),
-                   ("asm", 128, 4, (2, 128))]
+                   ("asm", 128, 4, (2, 128)), ("swap", 128, 4, (2, 128))]
 PREFILL_VARIANTS = [("f16", 64, 4, 2), ("asm", 32, 4, 2), ("asm", 64, 4, 2), ("asm", 64, 4, 3),
                     ("asm", 128, 8, 2), ("asmkv", 64, 4, 2), ("asmkv", 32, 4, 2)]
 

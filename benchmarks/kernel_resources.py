@@ -118,29 +118,42 @@ def loop_body(kernel) -> list[str]:
 
 
 def fp8_decode():
-    """Instructions a key tile costs the decode kernel over bf16 and FP8 caches: where the FP8
-    cache's time goes (half the bytes, but more instructions a byte)."""
+    """Instructions a key tile costs the decode kernel over bf16 and FP8 caches, for the engine's
+    configs and benchmarks/fp8_kernel_variants.py's variants: where the FP8 cache's time goes
+    (half the bytes, more instructions a byte)."""
+    import sys
     from collections import Counter
-    common = dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=256, NUM_SPLITS=1,
-                  CASCADE=False)
-    rows = [("bf16", 64, tl.bfloat16, False, None), ("FP8 .to() (the engine's)", 128, tl.float16,
-                                                     False, 128),
-            ("FP8 widen_v PTX", 64, tl.float16, True, None),
-            ("FP8 widen_v PTX", 128, tl.float16, True, 128)]
-    print(f"\ndecode kernel, sm_90 (compiled here, Triton {triton.__version__}), 4 warps, 2 stages"
-          "\n\n| cache, widening | BLOCK_N | register cap | registers | shared bytes | programs "
-          "per SM | instructions a tile | a KB of cache | most common |\n"
-          "|---|---|---|---|---|---|---|---|---|")
-    for name, block_n, dot, asm, cap in rows:
-        constexprs = dict(common, BLOCK_N=block_n, DOT_DTYPE=dot, FP8_ASM=asm)
-        kernel = compiled(_decode_split_kernel, constexprs, 4, maxnreg=cap,
-                          cache="*bf16" if name == "bf16" else "*fp8e4nv")
-        regs, _, shared, per_sm = resources(None, None, 4, kernel=kernel)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import fp8_kernel_variants as fv
+
+    import nanovllm.kernels.decode as engine
+    rows = [("bf16 (the engine's)", engine, 64, 4, None, tl.bfloat16, False, 16),
+            ("FP8 .to() (the engine's)", engine, 128, 4, 128, tl.float16, False, 16),
+            ("asm", engine, 64, 4, None, tl.float16, True, 16),
+            ("asm", engine, 64, 2, None, tl.float16, True, 16),
+            ("asm", engine, 128, 4, 128, tl.float16, True, 16),
+            ("asmkv", fv.DECODE_ASMKV, 64, 4, None, tl.float16, True, 16),
+            ("asmkv", fv.DECODE_ASMKV, 128, 4, 128, tl.float16, True, 16),
+            ("swap", fv.DECODE_SWAP, 64, 2, None, tl.float16, True, 8),
+            ("swap", fv.DECODE_SWAP, 64, 4, None, tl.float16, True, 8),
+            ("swap", fv.DECODE_SWAP, 128, 4, 128, tl.float16, True, 8)]
+    print(f"\ndecode kernel, sm_90 (compiled here, Triton {triton.__version__}), 2 stages\n\n"
+          "| kind | BLOCK_N | warps | register cap | registers | shared bytes | programs per SM |"
+          " instructions a tile (a thread) | warp instructions a KB of cache | most common |\n"
+          + "|---" * 10 + "|")
+    for name, module, block_n, warps, cap, dot, asm, group_pad in rows:
+        constexprs = dict(GROUP=2, GROUP_PAD=group_pad, HEAD_DIM=128, BLOCK_SIZE=256,
+                          NUM_SPLITS=1, CASCADE=False, BLOCK_N=block_n, DOT_DTYPE=dot,
+                          FP8_ASM=asm)
+        fp8 = name.startswith("bf16") is False
+        kernel = compiled(module._decode_split_kernel, constexprs, warps, maxnreg=cap,
+                          cache="*fp8e4nv" if fp8 else "*bf16")
+        regs, _, shared, per_sm = resources(None, None, warps, kernel=kernel)
         body = loop_body(kernel)
-        kb = block_n * 128 * 2 * (2 if name == "bf16" else 1) / 1024  # K and V of a tile
-        top = ", ".join(f"{op} {n}" for op, n in Counter(body).most_common(5))
-        print(f"| {name} | {block_n} | {cap or '-'} | {regs} | {shared} | {per_sm} | "
-              f"{len(body)} | {len(body) / kb:.1f} | {top} |", flush=True)
+        kb = block_n * 128 * 2 * (1 if fp8 else 2) / 1024  # K and V of a tile
+        top = ", ".join(f"{op} {n}" for op, n in Counter(body).most_common(4))
+        print(f"| {name} | {block_n} | {warps} | {cap or '-'} | {regs} | {shared} | {per_sm} | "
+              f"{len(body)} | {len(body) * warps / kb:.0f} | {top} |", flush=True)
 
 
 def variants():
