@@ -187,12 +187,10 @@ def cascade_fold_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, bloc
 
 def main():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from cascade_kernels import BS, HKV, HQ, D, build
+    from cascade_kernels import HQ, D, cascade_inputs
     from cascade_merge_variants import per_layer_us
 
-    from nanovllm.attention.cascade import plan_tiles, prefix_splits
     from nanovllm.kernels.cascade import cascade_attention
-    from nanovllm.kernels.decode import num_decode_splits
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}: cascade attention of one layer, Qwen3-0.6B heads (16 q, 8 kv, d 128), "
           "bf16, 28 launches in a CUDA graph, us per launch\n")
@@ -202,22 +200,11 @@ def main():
     for batch, group, shared, own in ((256, 16, 1024, 64), (256, 16, 1024, 160),
                                       (256, 16, 1024, 288), (256, 8, 1792, 336),
                                       (64, 8, 1024, 256), (16, 8, 1024, 256)):
-        k, v, tables, lens = build(batch, group, shared, own)
-        width = max(map(len, tables))
-        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
-                          device="cuda")
-        ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-        q = torch.randn(batch, HQ, D, dtype=torch.bfloat16, device="cuda")
-        starts, tiles, _ = plan_tiles(tables, lens, batch, BS, members_per_tile(HQ // HKV))
-        ks = torch.tensor(starts, dtype=torch.int32, device="cuda")
-        tt = torch.tensor(tiles, dtype=torch.int32, device="cuda").view(len(tiles), -1)
-        splits = num_decode_splits(batch, HKV, D, 4096, props.multi_processor_count)
-        psplits = prefix_splits(len(tiles), HKV, props.multi_processor_count, shared)
+        args, _ = cascade_inputs(batch, group, shared, own, props.multi_processor_count)
+        q, splits, psplits = args[0], args[-2], args[-1]
         scratch = cascade_scratch(batch, splits + psplits, HQ, D, q.device)
         counts = torch.zeros(batch * HQ, dtype=torch.int32, device="cuda")
         outs = [torch.empty_like(q), torch.empty_like(q)]
-        args = (q, k, v, cu, ctx, bt, ks, tt, D ** -0.5, splits, psplits)
 
         def two():
             return cascade_attention(*args, scratch=scratch, out=outs[0])

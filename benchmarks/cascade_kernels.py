@@ -20,12 +20,12 @@ from nanovllm.kernels.decode import decode_attention, num_decode_splits
 HQ, HKV, D, BS = 16, 8, 128, 256
 
 
-def build(batch, group, shared, own):
+def build(batch, group, shared, own, device="cuda"):
     """A cache where rows come in groups of `group` sharing `shared` keys, each with `own` more."""
     blocks_shared, blocks_own = shared // BS, -(-own // BS) + 1
     num_groups = batch // group
     num_blocks = num_groups * blocks_shared + batch * blocks_own + 1
-    k = torch.randn(num_blocks, BS, HKV, D, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(num_blocks, BS, HKV, D, dtype=torch.bfloat16, device=device)
     v = torch.randn_like(k)
     tables, nxt = [], 0
     for g in range(num_groups):
@@ -73,27 +73,33 @@ def kernel_times(fn, reps=20) -> dict:
     return dict(times)
 
 
-def case(batch, group, shared, own, num_sms, psplits=None, breakdown=False):
-    k, v, tables, lens = build(batch, group, shared, own)
+def cascade_inputs(batch, group, shared, own, num_sms, psplits=None, device="cuda"):
+    """cascade_attention's arguments over a `build` cache (queries, caches, rows, tables, the
+    host's plan, scale, splits and prefix splits as the engine picks them, or psplits), and the
+    share of the decode key reads the plan saves (the rule's measure)."""
+    k, v, tables, lens = build(batch, group, shared, own, device)
     width = max(map(len, tables))
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
-                      device="cuda")
-    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, HQ, D, dtype=torch.bfloat16, device="cuda")
-    members = members_per_tile(HQ // HKV)
-    key_starts, tiles, saved = plan_tiles(tables, lens, batch, BS, members)
+                      device=device)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=device)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    q = torch.randn(batch, HQ, D, dtype=torch.bfloat16, device=device)
+    key_starts, tiles, saved = plan_tiles(tables, lens, batch, BS, members_per_tile(HQ // HKV))
+    ks = torch.tensor(key_starts, dtype=torch.int32, device=device)
+    tt = torch.tensor(tiles, dtype=torch.int32, device=device).view(len(tiles), -1)
     splits = num_decode_splits(batch, HKV, D, 4096, num_sms)
     psplits = psplits or prefix_splits(len(tiles), HKV, num_sms, shared)
-    ks = torch.tensor(key_starts, dtype=torch.int32, device="cuda")
-    tl_ = torch.tensor(tiles, dtype=torch.int32, device="cuda").view(len(tiles), -1)
+    return (q, k, v, cu, ctx, bt, ks, tt, D ** -0.5, splits, psplits), saved / sum(lens)
+
+
+def case(batch, group, shared, own, num_sms, psplits=None, breakdown=False):
+    args, frac = cascade_inputs(batch, group, shared, own, num_sms, psplits)
+    q, k, v, cu, ctx, bt, ks, tl_, scale, splits, psplits = args
     out_plain, out_casc = torch.empty_like(q), torch.empty_like(q)
-    scale = D ** -0.5
     plain = timed(lambda: decode_attention(q, k, v, cu, ctx, bt, scale, splits, out=out_plain))
     casc = timed(lambda: cascade_attention(q, k, v, cu, ctx, bt, ks, tl_, scale, splits, psplits,
                                            out=out_casc))
     err = ((out_casc.float() - out_plain.float()).norm() / out_plain.float().norm()).item()
-    frac = saved / sum(lens)
     print(f"| {batch} | {group} | {shared} | {own} | {frac:.2f} | {plain * 1e3:.0f} | "
           f"{casc * 1e3:.0f} | {plain / casc:.2f}x | {err:.1e} | {psplits} |", flush=True)
     if breakdown:

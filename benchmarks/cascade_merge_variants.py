@@ -64,16 +64,9 @@ def per_layer_us(fn) -> float:
 
 def main():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from cascade_kernels import BS, HKV, HQ, D, build
+    from cascade_kernels import HQ, D, cascade_inputs
 
-    from nanovllm.attention.cascade import plan_tiles, prefix_splits
-    from nanovllm.kernels.cascade import (
-        cascade_attention,
-        cascade_config,
-        cascade_scratch,
-        members_per_tile,
-    )
-    from nanovllm.kernels.decode import num_decode_splits
+    from nanovllm.kernels.cascade import cascade_attention, cascade_config, cascade_scratch
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}: cascade attention's merge, Qwen3-0.6B heads (16 q, 8 kv, d 128), "
           f"{LAYERS} launches in a CUDA graph, us per launch, median of 30\n")
@@ -81,22 +74,11 @@ def main():
           " max abs diff |\n|---|---|---|---|---|---:|---:|---:|")
     block_n = cascade_config(D)["BLOCK_N"]
     for group, shared, own in ((16, 1024, 64), (16, 1024, 160), (16, 1024, 288), (8, 1792, 336)):
-        k, v, tables, lens = build(256, group, shared, own)
-        width = max(map(len, tables))
-        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
-                          device="cuda")
-        ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        cu = torch.arange(257, dtype=torch.int32, device="cuda")
-        q = torch.randn(256, HQ, D, dtype=torch.bfloat16, device="cuda")
-        key_starts, tiles, _ = plan_tiles(tables, lens, 256, BS, members_per_tile(HQ // HKV))
-        ks = torch.tensor(key_starts, dtype=torch.int32, device="cuda")
-        tl_ = torch.tensor(tiles, dtype=torch.int32, device="cuda").view(len(tiles), -1)
-        splits = num_decode_splits(256, HKV, D, 4096, props.multi_processor_count)
-        psplits = prefix_splits(len(tiles), HKV, props.multi_processor_count, shared)
+        inputs, _ = cascade_inputs(256, group, shared, own, props.multi_processor_count)
+        q, _, _, cu, ctx, _, ks, _, _, splits, psplits = inputs
         slots = splits + psplits
         scratch = cascade_scratch(256, slots, HQ, D, q.device)
-        expected = cascade_attention(q, k, v, cu, ctx, bt, ks, tl_, D ** -0.5, splits, psplits,
-                                     scratch=scratch)
+        expected = cascade_attention(*inputs, scratch=scratch)
         partial = scratch[0].view(256, slots, HQ, D)
         lse = scratch[1].view(256, slots, HQ, 1)
         args = (partial, lse, torch.empty_like(q), cu, ctx, ks, splits, psplits, block_n)

@@ -248,10 +248,9 @@ def cascade_packed_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, bl
 
 
 def main():
-    from cascade_kernels import build
+    from cascade_kernels import cascade_inputs
     from cascade_merge_variants import per_layer_us
 
-    from nanovllm.attention.cascade import plan_tiles, prefix_splits
     from nanovllm.attention.fp8 import quantize
     from nanovllm.kernels.cascade import cascade_attention
     from nanovllm.kernels.decode import decode_attention, num_decode_splits
@@ -303,20 +302,8 @@ def main():
           " max abs diff | vs the engine's |\n|---|---|---|---|---|---:|---:|---:|")
     for batch, group, shared, own in ((256, 16, 1024, 64), (256, 16, 1024, 160),
                                       (256, 16, 1024, 288), (256, 8, 1792, 336)):
-        k, v, tables, lens = build(batch, group, shared, own)
-        width = max(map(len, tables))
-        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
-                          device="cuda")
-        ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-        q = torch.randn(batch, hq, dim, dtype=torch.bfloat16, device="cuda")
-        starts, tiles, _ = plan_tiles(tables, lens, batch, block, members_per_tile(hq // hkv))
-        ks = torch.tensor(starts, dtype=torch.int32, device="cuda")
-        tt = torch.tensor(tiles, dtype=torch.int32, device="cuda").view(len(tiles), -1)
-        splits = num_decode_splits(batch, hkv, dim, 4096, num_sms)
-        psplits = prefix_splits(len(tiles), hkv, num_sms, shared)
-        out = torch.empty_like(q)
-        args = (q, k, v, cu, ctx, bt, ks, tt, dim ** -0.5, splits, psplits)
+        args, _ = cascade_inputs(batch, group, shared, own, num_sms)  # Qwen3-0.6B's heads too
+        out = torch.empty_like(args[0])
         ref = cascade_attention(*args).float()
         base = per_layer_us(lambda: cascade_attention(*args, out=out))
         print(f"| {batch} | {group} | {shared} | {own} | the engine's (1 KV head x 64 keys) | "
