@@ -25,7 +25,13 @@ is 1,312 instructions a thread for 32 KB of cache (41 a KB; bfloat16's 13.2): V 
 transpose reads shared memory a byte at a time (177 LDS). "asm" 128/4/(2, 128) runs the same tile
 in 797 (24.9 a KB) with no spills, at 3 programs an SM instead of 4 (72 KB of shared memory), and
 "swap" 128/4/(2, 128) in 649: both added, not yet timed. Instructions alone do not decide it:
-"swap" 64/2/2 issues half the engine config's a KB and took as long.
+"swap" 64/2/2 issues half the engine config's a KB and took as long. Session 14 (one H200,
+h200_session14_fp8_variants.log): asm and swap 128/4/(2, 128) timed, neither beats f16 128/4/(2,
+128) (192.2 and 182.2 against 169.2 us at 256 x 1,024). "p8" runs p @ V on FP8 tensor cores (p
+scaled by 256 into e4m3, V never widened): slower at every shape (188.1 us at best) and 2.4% more
+error (h200_session14_fp8_p8.log): Triton still moves V through shared memory byte by byte for the
+dot, now in e4m3. "tail" reads a split's last keys, if at most half a tile, as a half tile: on one
+H100 slower at every shape, by 5% even with no tail to read (h100_session14_fp8_tail.log).
 """
 import importlib.util
 import math
@@ -160,6 +166,39 @@ DECODE_SWAP = asm_kv_module(decode_mod, [
     "        tl.store(dst, out, mask=row_mask[None, :])",
     "GROUP_PAD=max(8, triton.next_power_of_2(group))"], "swap")
 
+# "p8": p @ V on FP8 tensor cores: V never widened, p (in [0, 1]) scaled by 256 into e4m3, the
+# scale taken out of the output (e4m3 keeps 3 bits of p's mantissa, as V's own quantization does)
+DECODE_P8 = asm_kv_module(decode_mod, [
+    "        v = widen_v(v, q.dtype, FP8_ASM)\n",
+    'acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")',
+    "out = acc * (v_scale / l_i)[:, None]"], [
+    "",
+    "acc = acc * alpha[:, None] + tl.dot((p * 256.0).to(tl.float8e4nv), v)",
+    "out = acc * (v_scale / 256.0 / l_i)[:, None]"], "p8")
+
+
+
+def tail_module():
+    """"tail": the keys past a split's last whole tile, if at most half a tile, read as one tile of
+    BLOCK_N // 2 keys (a second copy of the loop) rather than a mostly masked BLOCK_N tile: an
+    instruction-bound kernel (FP8) pays for masked keys as for real ones."""
+    src = Path(decode_mod.__file__).read_text()
+    begin = src.index("    for start_n in range(start, end, BLOCK_N):")
+    finish = src.index("        m_i = m_new\n", begin) + len("        m_i = m_new\n")
+    loop = src[begin:finish]
+    half = loop.replace("range(start, end, BLOCK_N)", "range(body_end, end, HALF)").replace(
+        "tl.arange(0, BLOCK_N)", "tl.arange(0, HALF)")
+    assert half != loop and "HALF)" in half
+    head = ("    HALF: tl.constexpr = BLOCK_N // 2\n"
+            "    body_end = end - (end - start) % BLOCK_N\n"
+            "    if end - body_end > HALF:\n"
+            "        body_end = end\n")
+    return asm_kv_module(decode_mod, loop, head + loop.replace("range(start, end, BLOCK_N)",
+                                                                "range(start, body_end, BLOCK_N)")
+                         + half, "tail")
+
+
+DECODE_TAIL = tail_module()
 
 def variant(mod, kind, cfg):
     """Patch mod's config and widening (for 'asmkv' a copy that widens K by PTX too); stages may be
@@ -169,7 +208,8 @@ def variant(mod, kind, cfg):
         cfg["num_stages"], cfg["maxnreg"] = cfg["num_stages"]
     target = {"asmkv": DECODE_ASMKV if mod is decode_mod else PREFILL_ASMKV,
               "k8": DECODE_K8, "k8x2": DECODE_K8X2, "pf": DECODE_PF, "pfk": DECODE_PFK,
-              "swap": DECODE_SWAP}.get(kind, mod)
+              "swap": DECODE_SWAP, "p8": DECODE_P8,
+              "tail": DECODE_TAIL}.get(kind, mod)
     name = "decode_config" if mod is decode_mod else "prefill_config"
     setattr(target, name, lambda *args, **kwargs: dict(cfg))
     widen = dict(DOT_DTYPE=tl.bfloat16 if kind == "bf16" else tl.float16,
@@ -185,7 +225,10 @@ DECODE_VARIANTS = [("f16", 64, 4, 2), ("f16", 128, 4, 2), ("asm", 64, 4, 2), ("a
                    ("k8x2", 128, 4, 2), ("k8x2", 128, 8, 2), ("pf", 64, 4, 2), ("pfk", 64, 4, 2),
                    ("swap", 64, 4, 2), ("swap", 64, 4, 3), ("swap", 128, 4, 3), ("swap", 64, 2, 2),
                    ("asm", 64, 2, 2), ("asm", 64, 4, (2, 96)), ("f16", 128, 4, (2, 128)),
-                   ("asm", 128, 4, (2, 128)), ("swap", 128, 4, (2, 128))]
+                   ("asm", 128, 4, (2, 128)), ("swap", 128, 4, (2, 128)),
+                   ("p8", 64, 4, 2), ("p8", 128, 4, 2), ("p8", 64, 4, (2, 128)),
+                   ("p8", 128, 4, (2, 128)), ("p8", 128, 8, 2), ("p8", 64, 2, 2),
+                   ("tail", 128, 4, (2, 128)), ("tail", 128, 4, 2), ("tail", 64, 4, 2)]
 PREFILL_VARIANTS = [("f16", 64, 4, 2), ("asm", 32, 4, 2), ("asm", 64, 4, 2), ("asm", 64, 4, 3),
                     ("asm", 128, 8, 2), ("asmkv", 64, 4, 2), ("asmkv", 32, 4, 2)]
 
@@ -288,6 +331,9 @@ def main():
     print("| case | variant kind BLOCK_N/warps/stages | us | TB/s | speedup | rel err |")
     print("|---|---|---|---|---|---|")
     for name, batch, ctx in [("Qwen3-0.6B", 64, 2048), ("Qwen3-0.6B", 256, 1024),
+                             ("Qwen3-0.6B", 256, 256),
+                             ("Qwen3-0.6B", 256, 288), ("Qwen3-0.6B", 256, 1000),
+                             ("Qwen3-0.6B", 64, 1990),
                              ("Qwen3-0.6B", 1, 2048), ("Qwen3-0.6B", 16, 2048),
                              ("SmolLM2", 64, 2048)]:
         sweep_decode(name, batch, ctx, props.multi_processor_count, l2, args.kinds)

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 from nanovllm import SamplingParams  # noqa: E402
 from nanovllm.attention import cascade as cascade_module  # noqa: E402
 from nanovllm.attention.cascade import (  # noqa: E402
-    MIN_SAVED_FRACTION, BlockCopies, pays, plan_tiles)
+    MIN_SAVED_FRACTION, BlockCopies, pays, plan_tiles, prefix_splits)
 from nanovllm.engine.step_inputs import StepInputs  # noqa: E402
 from nanovllm.kernels.cascade import cascade_attention, members_per_tile  # noqa: E402
 import triton  # noqa: E402
@@ -49,6 +49,16 @@ def test_plan_cuts_big_groups_into_near_equal_tiles_and_skips_prefill_rows():
     assert [t[2:] for t in tiles] == [[0, 1, 2, -1], [3, 4, 5, 6], [7, 8, 9, 10]]
     assert len(key_starts) == 11 and saved == (2 + 3 + 3) * 32
 
+
+
+def test_prefix_splits_aim_at_two_programs_per_sm():
+    """132 SMs (an H200), 8 KV heads: the H200's sweep (results/h200_session14_prefix_splits.log)
+    found 2 splits best for 16 and 32 tiles, more for fewer tiles; never past a key tile each."""
+    assert prefix_splits(16, 8, 132, 1024) == 2  # 264 // 128: shared-prefix at batch 256
+    assert prefix_splits(32, 8, 132, 2000) == 2  # at least 2
+    assert prefix_splits(4, 8, 132, 2000) == 8
+    assert prefix_splits(1, 8, 132, 2048) == 16  # at most MAX_PREFIX_SPLITS
+    assert prefix_splits(1, 8, 132, 100) == 2  # 100 keys: two 64-key tiles, no more
 
 def step_writing(tables, context_lens, q_lens, copies=(), swap_in=()):
     """A StepInputs that writes the last q_lens[s] keys of each row (the rest left empty)."""
@@ -188,7 +198,7 @@ def test_the_fold_merge_benchmark_equals_cascade(num_heads, num_kv_heads, num_sp
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,kv_heads,own_block_n", [(4, 2, 2, 8),
-                                                                         (8, 4, 2, 4),
+                                                                         (8, 4, 2, 8),
                                                                          (3, 1, 1, 16)])
 def test_the_packed_cascade_benchmark_equals_cascade(num_heads, num_kv_heads, kv_heads,
                                                      own_block_n):

@@ -140,9 +140,11 @@ def pays(saved: int, context_lens: list[int], num_decodes: int) -> bool:
 
 
 def prefix_splits(num_tiles: int, num_kv_heads: int, num_sms: int, max_keys: int) -> int:
-    """Splits of each tile's prefix: about 2 programs per SM, no split shorter than a key tile."""
+    """Splits of each tile's prefix: about 2 programs per SM, rounded down, at least 2; no split
+    shorter than a key tile. (On an H200 at batch 256, 2 splits of 16 tiles x 8 KV heads beat 3 by
+    2-4%: benchmarks/results/h200_session14_prefix_splits.log.)"""
     useful = triton.cdiv(max_keys, decode_config(128)["BLOCK_N"])
-    wanted = triton.cdiv(2 * num_sms, max(1, num_tiles) * num_kv_heads)
+    wanted = max(2, 2 * num_sms // (max(1, num_tiles) * num_kv_heads))
     return max(1, min(wanted, useful, MAX_PREFIX_SPLITS))
 
 
