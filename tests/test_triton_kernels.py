@@ -240,7 +240,7 @@ def test_the_packed_decode_benchmark_attends(num_heads, num_kv_heads, num_splits
     from packed_decode import packed_decode
 
     def packed(*args, **kwargs):
-        return packed_decode(*args, **kwargs, block_n=4, kv_heads=kv_heads)
+        return packed_decode(*args, **kwargs, block_n=16, kv_heads=kv_heads)  # a GPU dot: >= 16
     check_decode([0, 1, 17, 129, 70], num_heads, num_kv_heads, 32, 16, num_splits, torch.float32, DEVICE,
                  FP32_TOL, packed)
 

@@ -8,6 +8,8 @@ The scheduler gives every new token a flat slot, `block_id * block_size + offset
 once and written once. nanovllm/layers/rotary.py holds the plain PyTorch version (the CPU path and
 the reference of the tests).
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -19,6 +21,7 @@ def _rope_store_kernel(
     v_cache_ptr, slot_mapping_ptr, eps, stride_t, inv_k_scale, inv_v_scale,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     QK_PAD: tl.constexpr, KV_PAD: tl.constexpr, HAS_NORM: tl.constexpr, FP8: tl.constexpr,
+    ROUND: tl.constexpr,
 ):
     # One program per token: its query and key heads as one [QK_PAD, HEAD_DIM / 2] tile per half
     # of a head.
@@ -47,22 +50,25 @@ def _rope_store_kernel(
     if slot >= 0:
         is_k = is_qk & (heads >= NUM_HEADS)
         k_out = k_cache_ptr + slot * NUM_KV_HEADS * HEAD_DIM + (heads - NUM_HEADS) * HEAD_DIM + dims
-        tl.store(k_out, _to_cache(y1, inv_k_scale, k_cache_ptr, FP8), mask=is_k)
-        tl.store(k_out + HALF, _to_cache(y2, inv_k_scale, k_cache_ptr, FP8), mask=is_k)
+        tl.store(k_out, _to_cache(y1, inv_k_scale, k_cache_ptr, FP8, ROUND), mask=is_k)
+        tl.store(k_out + HALF, _to_cache(y2, inv_k_scale, k_cache_ptr, FP8, ROUND), mask=is_k)
         kv_heads = tl.arange(0, KV_PAD)[:, None]
         full = tl.arange(0, HEAD_DIM)[None, :]
         is_v = kv_heads < NUM_KV_HEADS
         v_row = qkv_ptr + token * stride_t + (NUM_HEADS + NUM_KV_HEADS + kv_heads) * HEAD_DIM
         v = tl.load(v_row + full, mask=is_v)
         tl.store(v_cache_ptr + slot * NUM_KV_HEADS * HEAD_DIM + kv_heads * HEAD_DIM + full,
-                 _to_cache(v, inv_v_scale, v_cache_ptr, FP8), mask=is_v)
+                 _to_cache(v, inv_v_scale, v_cache_ptr, FP8, ROUND), mask=is_v)
 
 
 @triton.jit
-def _to_cache(x, inv_scale, cache_ptr, FP8: tl.constexpr):
-    """x as the cache stores it: itself, or in an FP8 cache x / scale, saturated (fp8.py)."""
+def _to_cache(x, inv_scale, cache_ptr, FP8: tl.constexpr, ROUND: tl.constexpr):
+    """x as the cache stores it: itself, or in an FP8 cache x / scale, saturated and rounded to
+    nearest (fp8.py): by the cast on a GPU, by _round_to_e4m3 first in the interpreter (ROUND)."""
     if FP8:
-        x = _round_to_e4m3(tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -448.0), 448.0))
+        x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -448.0), 448.0)
+        if ROUND:
+            x = _round_to_e4m3(x)
     return x.to(cache_ptr.dtype.element_ty)
 
 
@@ -70,10 +76,12 @@ def _to_cache(x, inv_scale, cache_ptr, FP8: tl.constexpr):
 def _round_to_e4m3(x):
     """x (float32, |x| <= 448) rounded to the nearest e4m3 value, halves away from zero, in float32.
 
-    The cast that follows is then exact, on a GPU (whose cast rounds to nearest itself) and in
-    Triton's CPU interpreter alike (whose cast truncates, and loses the carry of 127.5 -> 128).
-    e4m3 has 3 mantissa bits: the step between values of exponent e is 2^(e - 3), and below 2^-6
-    (subnormals) it stays 2^-9."""
+    For Triton's CPU interpreter, whose cast truncates (and loses the carry of 127.5 -> 128): the
+    cast that follows is then exact. e4m3 has 3 mantissa bits: the step between values of exponent
+    e is 2^(e - 3), and below 2^-6 (subnormals) it stays 2^-9. A GPU's cast rounds to nearest, ties
+    to even, as torch does; this function there, with its approximate exp2 and division, left 1%
+    of values a step off torch's (scales not a power of two) and cost 1-6 us a layer more
+    (benchmarks/results/h100_session14_fp8_store_cast.log)."""
     exponent = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
     step = tl.exp2((exponent - 3).to(tl.float32))
     return tl.where(x < 0, -1.0, 1.0) * tl.floor(tl.abs(x) / step + 0.5) * step
@@ -105,5 +113,6 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
         QK_PAD=triton.next_power_of_2(num_heads + num_kv_heads),
         KV_PAD=triton.next_power_of_2(num_kv_heads),
         HAS_NORM=has_norm, FP8=k_cache.dtype == torch.float8_e4m3fn,
+        ROUND=os.environ.get("TRITON_INTERPRET") == "1",
     )
     return q
