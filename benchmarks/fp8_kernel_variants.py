@@ -177,7 +177,6 @@ DECODE_P8 = asm_kv_module(decode_mod, [
     "out = acc * (v_scale / 256.0 / l_i)[:, None]"], "p8")
 
 
-
 def tail_module():
     """"tail": the keys past a split's last whole tile, if at most half a tile, read as one tile of
     BLOCK_N // 2 keys (a second copy of the loop) rather than a mostly masked BLOCK_N tile: an
@@ -199,6 +198,7 @@ def tail_module():
 
 
 DECODE_TAIL = tail_module()
+
 
 def variant(mod, kind, cfg):
     """Patch mod's config and widening (for 'asmkv' a copy that widens K by PTX too); stages may be

@@ -50,7 +50,6 @@ def test_plan_cuts_big_groups_into_near_equal_tiles_and_skips_prefill_rows():
     assert len(key_starts) == 11 and saved == (2 + 3 + 3) * 32
 
 
-
 def test_prefix_splits_aim_at_two_programs_per_sm():
     """132 SMs (an H200), 8 KV heads: the H200's sweep (results/h200_session14_prefix_splits.log)
     found 2 splits best for 16 and 32 tiles, more for fewer tiles; never past a key tile each."""
@@ -59,6 +58,7 @@ def test_prefix_splits_aim_at_two_programs_per_sm():
     assert prefix_splits(4, 8, 132, 2000) == 8
     assert prefix_splits(1, 8, 132, 2048) == 16  # at most MAX_PREFIX_SPLITS
     assert prefix_splits(1, 8, 132, 100) == 2  # 100 keys: two 64-key tiles, no more
+
 
 def step_writing(tables, context_lens, q_lens, copies=(), swap_in=()):
     """A StepInputs that writes the last q_lens[s] keys of each row (the rest left empty)."""

@@ -117,16 +117,20 @@ def test_the_transposed_v_benchmark_attends():
             assert rel_err(out[row:row + 1], ref) < FP32_TOL, f"row {i} (context {n})"
 
 
-@pytest.mark.parametrize("kind,tol", [("k8", 0.2), ("k8x2", BF16_TOL)])
+@pytest.mark.parametrize("kind,tol", [("k8", 0.2), ("k8x2", BF16_TOL), ("p8", 0.2),
+                                      ("tail", BF16_TOL)])
 def test_the_sweeps_fp8_tensor_core_variants_attend(kind, tol):
-    """benchmarks/fp8_kernel_variants.py's decode variants that run q @ K^T on FP8 tensor cores
-    (the README's finding that they are no faster rests on them computing attention): q quantized
-    to e4m3 per row (k8: about 10% error on these sharp scores), or as two e4m3 parts (k8x2,
-    about bfloat16's precision)."""
+    """benchmarks/fp8_kernel_variants.py's decode variants that run q @ K^T or p @ V on FP8 tensor
+    cores, or read a half tile at the end (the README's finding that they are no faster rests on
+    them computing attention): q quantized to e4m3 per row (k8: about 10% error on these sharp
+    scores), or as two e4m3 parts (k8x2, about bfloat16's precision); p in e4m3 (p8, whose cast
+    the interpreter truncates); the engine's FP8 config with a half-tile tail (tail: rows of 1,
+    17 and 40 keys end in one, 100 does not)."""
     import sys
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     import fp8_kernel_variants as sweep
-    module = {"k8": sweep.DECODE_K8, "k8x2": sweep.DECODE_K8X2}[kind]
+    module = {"k8": sweep.DECODE_K8, "k8x2": sweep.DECODE_K8X2, "p8": sweep.DECODE_P8,
+              "tail": sweep.DECODE_TAIL}[kind]
     context_lens = [1, 17, 100, 40]
     k8, v8, k_ref, v_ref, tables = fp8_paged_cache(context_lens, 8, 128, 16)
     q = torch.randn(len(context_lens), 16, 128, device=DEVICE).to(torch.bfloat16)
