@@ -20,10 +20,10 @@ from random import randint, seed
 
 import torch
 
-import nanovllm.engine.cuda_graphs as cuda_graphs
+import nanovllm.worker.cuda_graphs as cuda_graphs
 import nanovllm.layers.sampler as sampler
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.run_ahead import SampledTokens
+from nanovllm.worker.run_ahead import SampledTokens
 
 ARCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "Qwen3-0.6B")
 

@@ -77,7 +77,7 @@ def main():
                          max_position_embeddings=4096)  # Qwen3-0.6B's heads per KV head
     with tempfile.TemporaryDirectory() as path:
         Qwen3ForCausalLM(config).save_pretrained(path)
-        # run ahead as on CUDA (engine/run_ahead.py)
+        # run ahead as on CUDA (worker/run_ahead.py)
         llm = LLM(path, skip_tokenizer_init=True, num_kvcache_blocks=3000, async_scheduling=True,
                   device="cpu")
         prompts, params = requests(args.workload, args.context, args.batch, args.steps * 2 + 20)

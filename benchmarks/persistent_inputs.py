@@ -1,8 +1,8 @@
 """What a persistent batch would save on the inputs of a steady decode step: `python
 benchmarks/persistent_inputs.py` (CPU).
 
-Today every step rebuilds its inputs as Python lists (engine/step_inputs.py) and flattens them for
-the graph upload (engine/cuda_graphs.py upload). vLLM v1 keeps a batch's per-row state in arrays
+Today every step rebuilds its inputs as Python lists (worker/step_inputs.py) and flattens them for
+the graph upload (worker/cuda_graphs.py upload). vLLM v1 keeps a batch's per-row state in arrays
 across steps instead (its InputBatch), so a decode row only advances: position + 1, its slot from
 its block table, its context + 1. This times both on the same 256 decode rows of a tiny random
 Qwen3 (benchmarks/host_step.py's setup): the engine's step_inputs + upload, and numpy advancing

@@ -55,9 +55,9 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
 
 def waits(llm) -> dict:
     """Make the host's waits for a step's tokens measurable: returns {"wait": seconds so far}."""
-    import nanovllm.engine.model_runner as runner_module
+    import nanovllm.worker.model_runner as runner_module
     try:
-        from nanovllm.engine.run_ahead import SampledTokens
+        from nanovllm.worker.run_ahead import SampledTokens
     except ImportError:  # before run_ahead.py
         SampledTokens = runner_module.SampledTokens
     sink, tolist = {"wait": 0.0}, SampledTokens.tolist

@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH
 from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.engine.sequence import num_blocks_for  # noqa: E402
+from nanovllm.core.sequence import num_blocks_for  # noqa: E402
 
 ARCHS = os.path.dirname(os.path.abspath(__file__))
 TRACES = {  # (mean, sigma of the log) of prompt and output lengths

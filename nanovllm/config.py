@@ -30,7 +30,7 @@ class Config:
     # -1: from free GPU memory, or 1 GiB on CPU
     num_kvcache_blocks: int = rule(-1, lambda v: v >= 1 or v == -1, "an integer >= 1 (or -1: auto)")
     enforce_eager: bool = False          # no CUDA graphs
-    async_scheduling: bool | None = None  # run ahead of the GPU (engine/run_ahead.py); None: CUDA
+    async_scheduling: bool | None = None  # run ahead of the GPU (worker/run_ahead.py); None: CUDA
     attn_backend: Literal[("", *BACKENDS)] = ""  # "": flash (if installed) or triton; sdpa on CPU
     device: Literal["", "cuda", "cpu"] = ""  # "": cuda when present, else cpu
     dtype: Literal[("auto", *DTYPES)] = "auto"  # "auto": the checkpoint's on CUDA, float32 on CPU
@@ -77,7 +77,7 @@ class Config:
         self.max_model_len = min(self.max_model_len, self.hf_config["max_position_embeddings"])
         self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.kvcache_block_size)
         if self.tensor_parallel_size > 1:
-            from nanovllm.engine.distributed import check_tensor_parallel
+            from nanovllm.worker.distributed import check_tensor_parallel
             check_tensor_parallel(self)
 
 

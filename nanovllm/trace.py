@@ -58,7 +58,7 @@ data between the same two steps shows as allocated only.
 import json
 import time
 
-from nanovllm.engine.sequence import SequenceStatus, num_blocks_for
+from nanovllm.core.sequence import SequenceStatus, num_blocks_for
 
 EVENT_ORDER = ("finish", "preempt", "free", "swap_out", "swap_in", "fork", "share", "evict", "hit",
                "alloc", "cow", "cached")

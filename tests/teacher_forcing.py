@@ -6,7 +6,7 @@ can be compared position by position even where greedy decoding of near-flat log
 import torch
 
 from nanovllm import SamplingParams
-from nanovllm.engine.step_inputs import step_inputs
+from nanovllm.worker.step_inputs import step_inputs
 
 
 def engine_logits(llm, sequences: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:

@@ -5,10 +5,10 @@ from collections import OrderedDict
 import pytest
 
 from nanovllm import SamplingParams
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.engine.sequence import Sequence, num_blocks_for
-from nanovllm.engine.step_inputs import step_inputs
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.scheduler import ScheduledBatch
+from nanovllm.core.sequence import Sequence, num_blocks_for
+from nanovllm.worker.step_inputs import step_inputs
 
 BS = 4  # tokens per block
 

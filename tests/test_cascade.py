@@ -15,7 +15,7 @@ from nanovllm import SamplingParams  # noqa: E402
 from nanovllm.attention import cascade as cascade_module  # noqa: E402
 from nanovllm.attention.cascade import (  # noqa: E402
     MIN_SAVED_FRACTION, BlockCopies, pays, plan_tiles, prefix_splits)
-from nanovllm.engine.step_inputs import StepInputs  # noqa: E402
+from nanovllm.worker.step_inputs import StepInputs  # noqa: E402
 from nanovllm.kernels.cascade import cascade_attention, members_per_tile  # noqa: E402
 import triton  # noqa: E402
 from tests.helpers import make_llm, random_prompts, token_ids  # noqa: E402

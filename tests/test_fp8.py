@@ -17,7 +17,7 @@ import triton.language as tl
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention.fp8 import FP8, dequantize, quantize, store_quantized
 from nanovllm.attention.paged_attention import store_kv
-from nanovllm.engine.kv_cache import KVCache
+from nanovllm.worker.kv_cache import KVCache
 from nanovllm.kernels import decode_attention, prefill_attention, rope_store
 from nanovllm.kernels.paged import widen_config
 from nanovllm.layers.rotary import RotaryEmbedding, norm_rope

@@ -143,7 +143,7 @@ def test_penalties_in_cuda_graph_steps_equal_eager_steps(qwen3_dir):
 
 def test_decode_graphs_sample_as_eager_steps(qwen3_dir):
     """A decode graph fills its placeholders and ends with the logits, and plain sampling runs in a
-    graph of its own (engine/cuda_graphs.py). At a temperature so low that sampling takes the
+    graph of its own (worker/cuda_graphs.py). At a temperature so low that sampling takes the
     argmax, graph steps give eager greedy steps' tokens: with every row plain (sampled by the
     sampler graphs) and with a seeded row among them (sampled eagerly from the graph's logits)."""
     random.seed(4)

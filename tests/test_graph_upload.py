@@ -1,10 +1,10 @@
-"""A CUDA graph's one-copy upload (engine/cuda_graphs.py), checked on the CPU: read back through
+"""A CUDA graph's one-copy upload (worker/cuda_graphs.py), checked on the CPU: read back through
 `unpack`, it holds what `to_tensors` builds field by field, and its padding is inert (padding tokens
 write to slot -1, padding sequences have no tokens and no keys, padding tiles no sequence)."""
 import torch
 
-from nanovllm.engine.cuda_graphs import CUDAGraphs, field_sizes, step_sizes, unpack, upload
-from nanovllm.engine.step_inputs import StepInputs, to_tensors
+from nanovllm.worker.cuda_graphs import CUDAGraphs, field_sizes, step_sizes, unpack, upload
+from nanovllm.worker.step_inputs import StepInputs, to_tensors
 from nanovllm.kernels.prefill import QUERY_TILE
 
 
@@ -50,7 +50,7 @@ def test_uploads_of_a_run_read_back_as_to_tensors(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from nanovllm import LLM, SamplingParams
-    from nanovllm.engine.cuda_graphs import token_ladder
+    from nanovllm.worker.cuda_graphs import token_ladder
     cfg = Qwen3Config(vocab_size=1001, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                       max_position_embeddings=2048)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from nanovllm import SamplingParams
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sharing import fork
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.sharing import fork
+from nanovllm.core.sequence import Sequence
 from tests.sharing_helpers import BLOCK_SIZE, build_tiny_llama, hf_logprobs, make_llm
 
 BS = 4
@@ -173,7 +173,7 @@ def test_requests_that_cannot_fit_are_refused_with_the_reason(model):
 
 
 def test_a_group_that_does_not_fit_takes_no_block_and_evicts_no_cached_prefix():
-    from nanovllm.engine.sharing import allocate_group
+    from nanovllm.core.sharing import allocate_group
     bm = BlockManager(6, BS)
     cached = computed(bm, list(range(8)))  # 2 full blocks, registered in the prefix cache
     bm.cache_computed_blocks(cached, cached.num_computed_tokens)

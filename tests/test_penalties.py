@@ -5,7 +5,7 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from nanovllm import SamplingParams
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.sequence import Sequence
 from nanovllm.layers import penalties
 from tests.helpers import make_llm, random_prompts
 

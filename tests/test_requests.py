@@ -12,7 +12,7 @@ import pytest
 
 import nanovllm.llm
 from nanovllm import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.sequence import Sequence
 from nanovllm.engine.streaming import Stream
 from tests.helpers import FRANCE, FRANCE_ANSWER, chat, drain, make_llm, random_prompts
 

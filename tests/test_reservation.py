@@ -1,4 +1,4 @@
-"""kv_reservation (the vLLM paper's Orca baselines, nanovllm/engine/reservation.py) and the load
+"""kv_reservation (the vLLM paper's Orca baselines, nanovllm/core/reservation.py) and the load
 generator of benchmarks/serving.py: reservations, the KV memory breakdown, Poisson arrivals, the
 synthesized traces, and the metrics of a tiny CPU run."""
 import math
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from nanovllm import SamplingParams
-from nanovllm.engine.reservation import ReservingBlockManager, reserved_tokens
-from nanovllm.engine.sequence import Sequence, num_blocks_for
+from nanovllm.core.reservation import ReservingBlockManager, reserved_tokens
+from nanovllm.core.sequence import Sequence, num_blocks_for
 from tests.helpers import make_llm, random_prompts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

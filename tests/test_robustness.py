@@ -335,7 +335,7 @@ def test_interrupt_while_reading_a_step_aborts_generates_requests(tiny_path, mon
     """Ctrl-C on a GPU most often lands where the host waits for a step's tokens
     (SampledTokens.tolist): generate's own requests are aborted, the step launched after the
     one it waited for is dropped too, and the next generate still serves correctly."""
-    from nanovllm.engine.run_ahead import SampledTokens
+    from nanovllm.worker.run_ahead import SampledTokens
     llm = make_llm(tiny_path)
     short = random_prompts(1, (5, 5), seed=90)[0]
     expected = llm.generate([short], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
@@ -354,7 +354,7 @@ def test_interrupt_while_reading_leaves_other_requests_intact(tiny_path, tiny, m
     caller: the tokens of that step are lost, and the step launched after it used them on the
     device. Both steps' sequences start over, and the earlier requests end with the tokens of an
     unconstrained run. Before: they kept the lost step's placeholders."""
-    from nanovllm.engine.run_ahead import SampledTokens
+    from nanovllm.worker.run_ahead import SampledTokens
     llm = make_llm(tiny_path, num_kvcache_blocks=14, preemption_mode=mode, swap_space=0.001,
                    max_num_batched_tokens=32)
     ids, expected = queue_earlier_requests(llm, tiny, seed=92)

@@ -1,7 +1,7 @@
 """Run-ahead (async_scheduling) against the plain loop: the same tokens, whatever shares the steps.
 
 On CPU the engine reads each step's tokens as soon as it returns (async_scheduling=False, the CPU
-default); on CUDA it launches the next step first (nanovllm/engine/run_ahead.py). Most engine tests
+default); on CUDA it launches the next step first (nanovllm/worker/run_ahead.py). Most engine tests
 run the run-ahead path (tests/helpers.py's make_llm); here the plain loop runs the same mixed
 workload (arrivals during decode, chunked prompts, preemption and recomputation, prefix hits, n > 1
 with seeds, log-probabilities, beam search) and must give the same outputs, in fewer steps.

@@ -203,7 +203,7 @@ def test_kernel_greedy_rows_seeds_and_dtypes():
 
 def test_kernel_seed_from_torchs_generator_and_out():
     """Without a seed the kernel draws one from torch's generator on the logits' device (so a CUDA
-    graph draws anew each replay, engine/cuda_graphs.py): new noise each call, the same after the
+    graph draws anew each replay, worker/cuda_graphs.py): new noise each call, the same after the
     same manual_seed; the tokens go into `out` when it is given."""
     from nanovllm.kernels.sample import gumbel_max_sample
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -219,7 +219,7 @@ def test_kernel_seed_from_torchs_generator_and_out():
 def test_settings_per_row_from_shared_and_distinct_params():
     """SamplingTensors.of gives every row its own settings, whether rows share a SamplingParams
     object or not, and an empty batch an empty tensor."""
-    from nanovllm.engine.sequence import Sequence
+    from nanovllm.core.sequence import Sequence
     hot, greedy = SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)
     seeded, top_k = SamplingParams(temperature=1.3, seed=5), SamplingParams(top_k=1)
     seqs = [Sequence([1, 2, 3], p, 4) for p in (hot, greedy, hot, seeded, top_k, hot)]
@@ -235,12 +235,12 @@ def test_settings_per_row_from_shared_and_distinct_params():
 
 
 def test_sampler_graphs_take_only_a_decode_graphs_plainly_sampled_logits():
-    """CUDAGraphs.sample (engine/cuda_graphs.py) draws only the logits its last decode graph
+    """CUDAGraphs.sample (worker/cuda_graphs.py) draws only the logits its last decode graph
     returned (`sampleable`), and only without seeds or truncation: anything else is left to the
     eager sampler (None). Checked on the CPU with a stand-in for the graphs."""
     from types import SimpleNamespace
 
-    from nanovllm.engine.cuda_graphs import CUDAGraphs
+    from nanovllm.worker.cuda_graphs import CUDAGraphs
     logits = torch.randn(4, 10)
     graphs = SimpleNamespace(sampleable=logits, samplers={}, decode_sizes=[4])
     plain = SamplingTensors(torch.ones(4), [], False)

@@ -4,10 +4,10 @@ from types import SimpleNamespace
 import pytest
 
 from nanovllm import SamplingParams
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.engine.swap import Swapper
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.scheduler import Scheduler
+from nanovllm.core.sequence import Sequence, SequenceStatus
+from nanovllm.core.swap import Swapper
 
 BS = 4
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from nanovllm import SamplingParams
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.engine.sharing import fork
-from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.engine.swap import Swapper
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.scheduler import ScheduledBatch
+from nanovllm.core.sharing import fork
+from nanovllm.core.sequence import Sequence, SequenceStatus
+from nanovllm.core.swap import Swapper
 from tests.sharing_helpers import build_tiny_llama, make_llm
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

@@ -3,7 +3,7 @@ step beside the trace (what replaying the trace must give back)."""
 import random
 
 from benchmarks.trace_demo import DEMO_OPTIONS, SWAP_OPTIONS, run_workload  # noqa: F401
-from nanovllm.engine.sequence import SequenceStatus
+from nanovllm.core.sequence import SequenceStatus
 from nanovllm.trace import Trace
 
 

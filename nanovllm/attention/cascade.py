@@ -217,7 +217,7 @@ class Cascade:
         room for is a program per KV head and split, and each unused one costs an SM slot for a
         moment, so a step with more tiles recaptures the twin bigger rather than every twin taking
         B // 2."""
-        from nanovllm.engine.cuda_graphs import FullGraph, unpack
+        from nanovllm.worker.cuda_graphs import FullGraph, unpack
         size = graph.sizes[1]
         capacity = min(size // 2, max(size // 16, triton.next_power_of_2(num_tiles)))
         buffer = torch.zeros(size + capacity * (2 + self.members), dtype=torch.int32,

@@ -21,7 +21,7 @@ k_scale and v_scale, 1.0 as in vLLM when a checkpoint carries none), for three r
 The kernels (kernels/store_kv.py, decode.py, prefill.py) quantize on the write and dequantize in
 registers on the read; this module holds the same arithmetic in plain PyTorch: the CPU write and the
 sdpa backend's gather, and the reference of the tests. The pool is allocated as bytes
-(engine/kv_cache.py) and indexed as bytes here, since indexing float8 tensors is not implemented on
+(worker/kv_cache.py) and indexed as bytes here, since indexing float8 tensors is not implemented on
 every device and torch version, and block copies and swaps then move bytes.
 """
 import torch

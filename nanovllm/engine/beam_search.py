@@ -13,9 +13,9 @@ the worst of them.
 """
 from dataclasses import dataclass
 
-from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.engine.sharing import fork
+from nanovllm.core.scheduler import Scheduler
+from nanovllm.core.sequence import Sequence, SequenceStatus
+from nanovllm.core.sharing import fork
 from nanovllm.sampling_params import SamplingParams
 
 

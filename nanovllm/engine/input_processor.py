@@ -3,7 +3,7 @@ tokenized into its first Sequence, before anything is queued. A request that cou
 refused here, with the numbers, rather than failing later inside a step."""
 import os
 
-from nanovllm.engine.sequence import Sequence, num_blocks_for
+from nanovllm.core.sequence import Sequence, num_blocks_for
 from nanovllm.sampling_params import SamplingParams
 
 PROMPT_KEYS = {"prompt", "prompt_token_ids"}  # vLLM's prompt dicts

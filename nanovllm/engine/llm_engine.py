@@ -1,10 +1,10 @@
 """The engine loop: `add_request` queues a request, `step` runs one iteration of continuous
 batching.
 
-A step schedules a batch (nanovllm/engine/scheduler.py), launches it on the model runner, reads its
+A step schedules a batch (nanovllm/core/scheduler.py), launches it on the model runner, reads its
 sampled tokens and hands them to the scheduler, which ends the sequences the output processor says
 are done. (With async_scheduling, the default on CUDA, it reads the tokens of the step launched
-before instead, while this one runs: nanovllm/engine/run_ahead.py.) Requests come in
+before instead, while this one runs: nanovllm/worker/run_ahead.py.) Requests come in
 through the input processor and leave through the output processor as RequestOutputs. With
 tensor_parallel_size > 1 the engine also starts one worker process per extra rank; `shutdown()` (or
 leaving a `with LLM(...)` block, or the engine being collected, or the program's exit) stops them.
@@ -13,12 +13,12 @@ import gc
 from contextlib import AbstractContextManager
 
 from nanovllm.config import Config
-from nanovllm.engine.block_manager import BlockManager
+from nanovllm.core.block_manager import BlockManager
 from nanovllm.engine.input_processor import InputProcessor, load_tokenizer
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.worker.model_runner import ModelRunner
 from nanovllm.engine.output_processor import OutputProcessor
-from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.scheduler import ScheduledBatch, Scheduler
+from nanovllm.core.sequence import Sequence
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -30,26 +30,26 @@ class LLMEngine(AbstractContextManager):
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(tokenizer)
         self.stop_workers = None  # tensor parallelism's worker processes, while they run
         if config.tensor_parallel_size > 1:
-            from nanovllm.engine.distributed import start_workers
+            from nanovllm.worker.distributed import start_workers
             self.model_runner = start_workers(self)
         else:
             self.model_runner = ModelRunner(config)
         num_blocks = self.model_runner.kv_cache.shape[2]
         block_size, caching = config.kvcache_block_size, config.enable_prefix_caching
         self.block_manager = BlockManager(num_blocks, block_size, caching)
-        if config.kv_reservation is not None:  # the paper's Orca baselines: engine/reservation.py
-            from nanovllm.engine.reservation import ReservingBlockManager
+        if config.kv_reservation is not None:  # the paper's Orca baselines: core/reservation.py
+            from nanovllm.core.reservation import ReservingBlockManager
             self.block_manager = ReservingBlockManager(num_blocks, config)
         self.scheduler = Scheduler(config, self.block_manager)
         if config.preemption_mode == "swap":
-            from nanovllm.engine.swap import Swapper
+            from nanovllm.core.swap import Swapper
             swap_space = self.model_runner.swap_space
             self.scheduler.swap = Swapper(self.block_manager, swap_space.num_blocks)
         self.input_processor = InputProcessor(config, self.tokenizer, num_blocks)
         self.output_processor = OutputProcessor(config, self.tokenizer)
         self.model_runner.eos_token_ids = self.output_processor.eos_token_ids
         self.requests: dict[int | str, Sequence] = {}  # request id -> root sequence, until it ends
-        self.in_flight = None  # (batch, tokens) launched and not read yet (engine/run_ahead.py)
+        self.in_flight = None  # (batch, tokens) launched and not read yet (worker/run_ahead.py)
         self.held: list[RequestOutput] = []  # outputs a caller's generate() did not ask for
         # what sees each request queued, step launched and step read: with log_stats, the request
         # timings and token counts (engine/metrics.py); an open Trace (nanovllm/trace.py)
@@ -91,7 +91,7 @@ class LLMEngine(AbstractContextManager):
     def abort_request(self, request_id: int | str) -> bool:
         """End a request at once, wherever it is (waiting, running, swapped out), with finish_reason
         "abort", and free its blocks. False if no such request is queued."""
-        from nanovllm.engine.requeue import abort
+        from nanovllm.core.requeue import abort
         return abort(self, request_id)
 
     def step(self) -> list[RequestOutput]:
@@ -100,7 +100,7 @@ class LLMEngine(AbstractContextManager):
         if self.model_runner is None:
             raise RuntimeError("the engine was shut down")
         if self.config.async_scheduling:  # launch the next step before reading this one's tokens
-            from nanovllm.engine.run_ahead import step_ahead
+            from nanovllm.worker.run_ahead import step_ahead
             return step_ahead(self)
         outputs, self.held = self.held, []
         launched = self.launch()
@@ -119,7 +119,7 @@ class LLMEngine(AbstractContextManager):
         try:
             sampled = self.model_runner.run(batch)
         except BaseException:
-            from nanovllm.engine.requeue import requeue
+            from nanovllm.core.requeue import requeue
             requeue(self.scheduler, [batch])
             raise
         for observer in self.observers:  # a launched step (one that failed is not recorded)

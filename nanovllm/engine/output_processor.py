@@ -7,7 +7,7 @@ it goes (nanovllm/engine/streaming.py).
 import json
 from pathlib import Path
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.sequence import Sequence
 from nanovllm.outputs import CompletionOutput, RequestOutput
 
 

@@ -8,7 +8,7 @@ grows by the difference. A character whose bytes span several tokens decodes to 
 last byte arrives: the text waits for it. While a request runs, the text it reports holds back the
 end that could still become a stop string; its final text is decoded whole and cut before it.
 """
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.sequence import Sequence
 
 CONTEXT_TOKENS = 6
 

@@ -62,7 +62,7 @@ def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: in
     """One token per row of logits [B, vocab] (any float dtype) into `out` (int64 [B], or a new
     tensor): sampled at temperatures [B] float32, argmax where the temperature is 0. `seed` keys the
     noise: the same seed draws the same tokens; None draws one on the device (torch's generator),
-    which a CUDA graph replays as a new draw each time (engine/cuda_graphs.py samples so)."""
+    which a CUDA graph replays as a new draw each time (worker/cuda_graphs.py samples so)."""
     rows, vocab = logits.shape
     if seed is None:
         seed = torch.randint(2**31 - 1, (1,), device=logits.device)

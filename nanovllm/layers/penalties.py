@@ -13,7 +13,7 @@ batches where some request uses one of these.
 """
 import torch
 
-from nanovllm.engine.run_ahead import fill_placeholders
+from nanovllm.worker.run_ahead import fill_placeholders
 
 
 def apply(logits: torch.Tensor, rows: list, positions: list[int], eos_token_ids: set[int],

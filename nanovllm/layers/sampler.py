@@ -59,7 +59,7 @@ def sample_batch(logits: torch.Tensor, batch, runner) -> tuple[torch.Tensor, lis
         scores = penalties.apply(logits, rows, positions, runner.eos_token_ids, runner.last_tokens)
     vocab_size = runner.config.hf_config["vocab_size"]
     t = SamplingTensors.of(rows, vocab_size, logits.device)
-    # a decode step's logits from its CUDA graph: sampled by a graph too (engine/cuda_graphs.py)
+    # a decode step's logits from its CUDA graph: sampled by a graph too (worker/cuda_graphs.py)
     token_ids = runner.graphs.sample(scores, t) if runner.graphs is not None else None
     if token_ids is None:
         token_ids = sample(scores, t)

@@ -4,7 +4,7 @@ memory (the CUDA caching host allocator's; vLLM stages its step inputs in pinned
 A step's inputs start as Python lists. `torch.tensor(list)` converts them one object at a time
 through its generic path; `array` converts them in C, about 4x faster (5,500 ints: 77 against
 307 us on the project's CPU machine; the H100 host was about 2.3x slower still). That list is every
-step's graph upload (engine/cuda_graphs.py), cascade plan (attention/cascade.py) and temperatures
+step's graph upload (worker/cuda_graphs.py), cascade plan (attention/cascade.py) and temperatures
 (layers/sampler.py).
 """
 from array import array

@@ -1,7 +1,7 @@
 """The KV cache's memory (vLLM's cache engine): one tensor holding, for K and for V and for every
 layer, a pool of blocks [num_blocks, block_size, num_kv_heads, head_dim], and the block copies of
 copy-on-write. How many blocks: `num_kvcache_blocks` if given; on CPU, CPU_KVCACHE_BYTES; on CUDA,
-what gpu_memory_utilization leaves free (nanovllm/engine/memory_profile.py). With
+what gpu_memory_utilization leaves free (nanovllm/worker/memory_profile.py). With
 kv_cache_dtype="fp8" a block takes half the bytes of bfloat16: twice as many fit (attention/fp8.py).
 """
 import math

@@ -12,18 +12,18 @@ The sequences of one request (parallel samples, the beams of a beam search) form
 and preempted as a whole. When a running group finds no free block, the newest running group is
 preempted: its blocks are freed and it goes back to the front of the waiting queue, to be recomputed
 (its prefix may still be in the cache), or with preemption_mode="swap" its blocks move to a CPU pool
-(nanovllm/engine/swap.py). The block copies a step needs travel in its batch to the model runner.
+(nanovllm/core/swap.py). The block copies a step needs travel in its batch to the model runner.
 
 `schedule` records each step's progress at once, with a placeholder for every token it samples (with
 async_scheduling the engine launches a step before the tokens of the step before are known:
-nanovllm/engine/run_ahead.py); `update` puts the tokens in place when they arrive and frees the
+nanovllm/worker/run_ahead.py); `update` puts the tokens in place when they arrive and frees the
 sequences that end.
 """
 from collections import deque
 from dataclasses import dataclass, field
 
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence, SequenceStatus, placeholder
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.sequence import Sequence, SequenceStatus, placeholder
 
 
 @dataclass
@@ -56,7 +56,7 @@ class Scheduler:
     def __init__(self, config, block_manager: BlockManager):
         self.config = config
         self.block_manager = block_manager
-        self.swap = None  # a Swapper (nanovllm/engine/swap.py) with preemption_mode="swap"
+        self.swap = None  # a Swapper (nanovllm/core/swap.py) with preemption_mode="swap"
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -127,7 +127,7 @@ class Scheduler:
     def allocate(self, seq: Sequence) -> bool:
         if len(seq.group) == 1:
             return self.block_manager.allocate(seq)
-        from nanovllm.engine.sharing import allocate_group  # a group of samples or beams
+        from nanovllm.core.sharing import allocate_group  # a group of samples or beams
         return allocate_group(self.block_manager, seq)
 
     def _record(self, batch: ScheduledBatch):
@@ -144,7 +144,7 @@ class Scheduler:
             position = len(seq.token_ids)
             samples = [seq] if seq.num_computed_tokens == position else []  # at its last token
             if samples and len(seq.group) == 1 and seq.params.n > 1:  # the other samples fork now
-                from nanovllm.engine.sharing import fork
+                from nanovllm.core.sharing import fork
                 samples += [fork(seq, self.block_manager) for _ in range(seq.params.n - 1)]
                 self.running.extend(samples[1:])
             for sample in samples:

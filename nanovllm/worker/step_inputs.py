@@ -8,7 +8,7 @@ from itertools import accumulate
 import torch
 
 from nanovllm.attention import AttentionMetadata
-from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.core.scheduler import ScheduledBatch
 
 
 @dataclass
@@ -45,7 +45,7 @@ def step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
 
 def to_tensors(step: StepInputs, device: torch.device):
     """Token ids, positions, attention metadata and sampled rows as tensors on `device`, a copy per
-    field (a CUDA graph takes them in one flat copy instead: engine/cuda_graphs.py)."""
+    field (a CUDA graph takes them in one flat copy instead: worker/cuda_graphs.py)."""
     def tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=device)
     width = max(map(len, step.block_tables))

@@ -10,14 +10,14 @@ taken for new data; free blocks are taken least recently freed first. Every oper
 block.
 
 Memory sharing (the paper's section 4.4): blocks shared by the sequences of one request
-(nanovllm/engine/sharing.py) are copied before one of them writes into them (copy-on-write), and the
+(nanovllm/core/sharing.py) are copied before one of them writes into them (copy-on-write), and the
 (source, destination) pair goes to the model runner. (Swap preemption's CPU pool is
-nanovllm/engine/swap.py.)
+nanovllm/core/swap.py.)
 """
 from collections import OrderedDict
 from itertools import count
 
-from nanovllm.engine.sequence import Sequence, num_blocks_for
+from nanovllm.core.sequence import Sequence, num_blocks_for
 
 
 class Block:
@@ -71,7 +71,7 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_slots: int = 0) -> bool:
         """Give a waiting sequence blocks for all its tokens (or for num_slots tokens if more: a
-        reservation, engine/reservation.py), reusing a cached prefix; False if they don't fit."""
+        reservation, core/reservation.py), reusing a cached prefix; False if they don't fit."""
         assert not seq.block_table
         hits = self._cached_prefix(seq)
         num_new = num_blocks_for(max(len(seq), num_slots), self.block_size) - len(hits)

@@ -15,8 +15,8 @@ is never preempted for one), and gives the reservation back when it ends. The bl
 adjacent: this models the memory a reservation holds unused (the paper's Figure 2: reserved slots
 and internal fragmentation), not the external fragmentation of Orca's buddy allocator.
 """
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence, num_blocks_for
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.sequence import Sequence, num_blocks_for
 
 
 def reserved_tokens(mode: str, num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:

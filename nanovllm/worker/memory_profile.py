@@ -9,8 +9,8 @@ import logging
 
 import torch
 
-from nanovllm.engine.sequence import Sequence, num_blocks_for
-from nanovllm.engine.step_inputs import StepInputs
+from nanovllm.core.sequence import Sequence, num_blocks_for
+from nanovllm.worker.step_inputs import StepInputs
 from nanovllm.layers.sampler import SamplingTensors, sample
 from nanovllm.sampling_params import SamplingParams
 

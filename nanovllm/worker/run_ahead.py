@@ -4,7 +4,7 @@ schedules.
 
 A token that step t samples is unknown on the host when step t+1 is scheduled. It stands in its
 sequence as a placeholder, -(r + 1) for row r of step t's samples (`placeholder` in
-nanovllm/engine/sequence.py). Step t+1's inputs may hold placeholders: the model runner fills them
+nanovllm/core/sequence.py). Step t+1's inputs may hold placeholders: the model runner fills them
 on the device from the tokens step t left there (`fill_placeholders`). When the engine reads step
 t's tokens (`SampledTokens`), the scheduler puts them in place of the placeholders. A sequence that
 ended at step t has wasted one token of step t+1. Steps whose tokens the host needs at once (beam
@@ -12,7 +12,7 @@ candidates, log-probabilities) are read at once.
 """
 import torch
 
-from nanovllm.engine.requeue import lose
+from nanovllm.core.requeue import lose
 
 
 def fill_placeholders(input_ids: torch.Tensor, last_tokens: torch.Tensor):

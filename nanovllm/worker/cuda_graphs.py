@@ -30,9 +30,9 @@ from itertools import accumulate
 import torch
 
 from nanovllm.attention import AttentionMetadata
-from nanovllm.engine.run_ahead import fill_placeholders
-from nanovllm.engine.sequence import num_blocks_for
-from nanovllm.engine.step_inputs import StepInputs
+from nanovllm.worker.run_ahead import fill_placeholders
+from nanovllm.core.sequence import num_blocks_for
+from nanovllm.worker.step_inputs import StepInputs
 from nanovllm.kernels.prefill import QUERY_TILE, query_tiles
 from nanovllm.utils.pinned import host_tensor
 

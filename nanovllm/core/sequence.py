@@ -2,10 +2,10 @@
 map of PagedAttention, the vLLM paper's section 4.2).
 
 A request with several outputs (parallel samples, or the beams of a beam search) is a *group* of
-sequences that share KV blocks (nanovllm/engine/sharing.py). A token that a step samples stands in
+sequences that share KV blocks (nanovllm/core/sharing.py). A token that a step samples stands in
 `token_ids` as a placeholder until the engine reads the step's tokens: `placeholder(row)` for row
 `row` of the step's samples (with async_scheduling the next step is launched meanwhile and fills
-them on the device: nanovllm/engine/run_ahead.py).
+them on the device: nanovllm/worker/run_ahead.py).
 """
 from enum import Enum, auto
 from itertools import count
@@ -16,7 +16,7 @@ from nanovllm.sampling_params import SamplingParams
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
-    SWAPPED = auto()   # its blocks sit in the CPU pool (nanovllm/engine/swap.py)
+    SWAPPED = auto()   # its blocks sit in the CPU pool (nanovllm/core/swap.py)
     FINISHED = auto()
 
 
@@ -74,7 +74,7 @@ class Sequence:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
     def set_token(self, position: int, token_id: int, logprobs: dict[int, float] | None = None):
-        """Put a sampled token where its placeholder is (nanovllm/engine/run_ahead.py)."""
+        """Put a sampled token where its placeholder is (nanovllm/worker/run_ahead.py)."""
         self.token_ids[position] = token_id
         if logprobs is not None:
             self.logprobs.append(logprobs)

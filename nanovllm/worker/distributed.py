@@ -9,7 +9,7 @@ alone samples. A `None` step tells the workers to stop.
 The ranks meet through a TCPStore that rank 0 opens on a port the OS picks, and the process groups
 are this engine's own objects, not torch.distributed's one global default group, so two engines
 can run side by side in one process. Workers are fresh interpreters running
-`python -m nanovllm.engine.tp_worker` (not forked, which CUDA forbids, nor spawned, which would
+`python -m nanovllm.worker.tp_worker` (not forked, which CUDA forbids, nor spawned, which would
 re-import the user's script): the engine's Config reaches them through the store. They ignore
 Ctrl-C (rank 0 stops them) and exit when the engine's process is gone. On CPU every rank, rank 0
 included, runs cpu_count // N threads.
@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.worker.model_runner import ModelRunner
 from nanovllm.layers.tensor_parallel import heads_per_rank, shard_model
 
 # Workers wait for the next step for as long as the engine stays idle: no timeout that an idle
@@ -172,7 +172,7 @@ class Workers:
         self.group: TPGroup | None = None
         try:
             for rank in range(1, size):
-                cmd = [sys.executable, "-m", "nanovllm.engine.tp_worker", str(rank),
+                cmd = [sys.executable, "-m", "nanovllm.worker.tp_worker", str(rank),
                        str(self.port), str(os.getpid())]
                 self.procs.append(subprocess.Popen(cmd))
             self._wait_for_workers()

@@ -1,18 +1,18 @@
 """The model runner: one forward step on this rank's device (nano-vllm's ModelRunner).
 
-It owns the model, its attention backend, the KV cache (engine/kv_cache.py) and, on CUDA, the CUDA
-graphs (engine/cuda_graphs.py). A step crosses from the CPU side to the GPU side in two moves:
+It owns the model, its attention backend, the KV cache (worker/kv_cache.py) and, on CUDA, the CUDA
+graphs (worker/cuda_graphs.py). A step crosses from the CPU side to the GPU side in two moves:
 `step_inputs` turns the scheduler's batch into plain lists and `to_tensors` into tensors on the
-device (engine/step_inputs.py); `execute` runs the model (or replays a graph) and returns the logits
+device (worker/step_inputs.py); `execute` runs the model (or replays a graph) and returns the logits
 of the rows that sample. `run` (rank 0) also picks the next tokens (argmax for greedy rows, else
 nanovllm/layers/sampler.py), and returns before the GPU is done.
 """
 import torch
 
 from nanovllm.attention import get_backend
-from nanovllm.engine.kv_cache import CPU_KVCACHE_BYTES, KVCache
-from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.engine.step_inputs import StepInputs, step_inputs, to_tensors
+from nanovllm.worker.kv_cache import CPU_KVCACHE_BYTES, KVCache
+from nanovllm.core.scheduler import ScheduledBatch
+from nanovllm.worker.step_inputs import StepInputs, step_inputs, to_tensors
 from nanovllm.models import model_class
 from nanovllm.utils.loader import load_model
 
@@ -20,7 +20,7 @@ from nanovllm.utils.loader import load_model
 class ModelRunner:
     def __init__(self, config, device: torch.device | None = None):
         """Build the model, its KV cache and, on CUDA, its CUDA graphs. (Tensor parallelism builds
-        one shard per rank: TPModelRunner, nanovllm/engine/distributed.py.)"""
+        one shard per rank: TPModelRunner, nanovllm/worker/distributed.py.)"""
         self.config = config
         self.device = device or torch.device("cuda:0" if config.device == "cuda" else "cpu")
         if self.device.type == "cuda":
@@ -44,10 +44,10 @@ class ModelRunner:
         self.kv_cache = KVCache(self.model, config, self.device)
         self.kv_cache.allocate(self.num_kv_blocks())
         if config.preemption_mode == "swap":
-            from nanovllm.engine.swap import SwapSpace
+            from nanovllm.core.swap import SwapSpace
             self.swap_space = SwapSpace(self.kv_cache.tensor, config.swap_space)
         if self.device.type == "cuda" and not config.enforce_eager:
-            from nanovllm.engine.cuda_graphs import CUDAGraphs
+            from nanovllm.worker.cuda_graphs import CUDAGraphs
             self.graphs = CUDAGraphs(self)
 
     def heads(self) -> tuple[int, int]:
@@ -63,7 +63,7 @@ class ModelRunner:
             return self.config.num_kvcache_blocks
         if self.device.type == "cpu":
             return CPU_KVCACHE_BYTES // self.kv_cache.block_bytes
-        from nanovllm.engine.memory_profile import num_blocks_that_fit
+        from nanovllm.worker.memory_profile import num_blocks_that_fit
         return num_blocks_that_fit(self)
 
     @torch.inference_mode()
@@ -75,7 +75,7 @@ class ModelRunner:
         self.kv_cache.copy_blocks(step.copies)
         if not step.input_ids:  # it preempted all it had to run: its swaps are the whole step
             return None
-        if self.graphs is not None:  # uploaded in one copy, replayed (engine/cuda_graphs.py)
+        if self.graphs is not None:  # uploaded in one copy, replayed (worker/cuda_graphs.py)
             return self.graphs.run(step, self)
         input_ids, positions, meta, sample_rows = to_tensors(step, self.device)
         if min(step.input_ids) < 0:
@@ -89,7 +89,7 @@ class ModelRunner:
 
     def fill_placeholders(self, input_ids: torch.Tensor):
         """Put the tokens the last step sampled in place of their placeholders (run_ahead.py)."""
-        from nanovllm.engine.run_ahead import fill_placeholders
+        from nanovllm.worker.run_ahead import fill_placeholders
         fill_placeholders(input_ids, self.last_tokens)
 
     @torch.inference_mode()

@@ -12,8 +12,8 @@ from collections import deque
 
 import torch
 
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.sequence import Sequence, SequenceStatus
 
 
 class Swapper:

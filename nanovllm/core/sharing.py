@@ -8,8 +8,8 @@ waiting for a sibling that no longer fits. A request with one sequence never imp
 """
 from copy import copy
 
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence, SequenceStatus, num_blocks_for
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.sequence import Sequence, SequenceStatus, num_blocks_for
 
 
 def fork(parent: Sequence, block_manager: BlockManager) -> Sequence:

@@ -11,8 +11,8 @@ they would have had.
 import time
 from collections import deque
 
-from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
-from nanovllm.engine.sequence import SequenceStatus
+from nanovllm.core.scheduler import ScheduledBatch, Scheduler
+from nanovllm.core.sequence import SequenceStatus
 
 
 def requeue(scheduler: Scheduler, batches: list[ScheduledBatch]):

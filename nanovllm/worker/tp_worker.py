@@ -1,6 +1,6 @@
-"""A tensor-parallel worker: `python -m nanovllm.engine.tp_worker RANK PORT PARENT_PID`.
+"""A tensor-parallel worker: `python -m nanovllm.worker.tp_worker RANK PORT PARENT_PID`.
 
-Ranks 1..N-1 of an engine (nanovllm/engine/distributed.py). It reads the engine's Config from the
+Ranks 1..N-1 of an engine (nanovllm/worker/distributed.py). It reads the engine's Config from the
 store that rank 0 opened on PORT, builds this rank's shard of the model, then runs every step that
 rank 0 sends until it sends None. It dies with the engine's process.
 """
@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanovllm.engine.distributed import STARTUP_TIMEOUT, TPModelRunner, join_group, share_cpu_cores
+from nanovllm.worker.distributed import STARTUP_TIMEOUT, TPModelRunner, join_group, share_cpu_cores
 
 
 def exit_with_parent(parent_pid: int):
