@@ -17,8 +17,8 @@ if not torch.cuda.is_available() and isinstance(tl.max, JITFunction):
 
 from nanovllm import SamplingParams  # noqa: E402
 from nanovllm.kernels.gemv import NORM, PLAIN, SILU, gemv  # noqa: E402
-from nanovllm.layers.fused_decode import MAX_ROWS, decode_layer  # noqa: E402
-from nanovllm.models.llama import DecoderLayer  # noqa: E402
+from nanovllm.kernels.gemv import MAX_ROWS  # noqa: E402
+from nanovllm.layers import fused_decode  # noqa: E402
 from tests.helpers import make_llm, random_prompts, token_ids  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,22 +77,23 @@ def test_gemv_without_bias():
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen2"])  # qwen2: the qkv projection's bias
 def test_fused_decode_layer_same_tokens(random_checkpoint, name, monkeypatch):
-    """The engine's greedy tokens with every step of <= MAX_ROWS rows through decode_layer (forced
-    on CPU) equal the plain layer's; prompts longer than MAX_ROWS prefill through the plain one."""
+    """The engine's greedy tokens with every step of <= MAX_ROWS rows through the fused path
+    (chosen by the model runner; forced on CPU) equal the plain model's; prompts longer than
+    MAX_ROWS prefill through the plain one."""
     path, _ = random_checkpoint(name)
     prompts = random_prompts(3, (2, 20), seed=5)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     plain = make_llm(path, attn_backend="sdpa", dtype="float32")
     expected = token_ids(plain.generate(prompts, params, use_tqdm=False))
     calls = []
-    plain_forward = DecoderLayer.forward
 
-    def forward(self, positions, x, residual, meta):
-        if x.shape[0] > MAX_ROWS:
-            return plain_forward(self, positions, x, residual, meta)
-        calls.append(x.shape[0])
-        return decode_layer(self, positions, x, residual, meta)
-    monkeypatch.setattr(DecoderLayer, "forward", forward)
+    def forward(model, input_ids, positions, meta):
+        calls.append(len(input_ids))
+        return fused_forward(model, input_ids, positions, meta)
+    fused_forward = fused_decode.forward
+    monkeypatch.setattr(fused_decode, "forward", forward)
+    monkeypatch.setattr(fused_decode, "MAX_STEP_ROWS", MAX_ROWS)
     fused = make_llm(path, attn_backend="sdpa", dtype="float32")
+    fused.model_runner.small_batch = fused_decode  # as on CUDA
     assert token_ids(fused.generate(prompts, params, use_tqdm=False)) == expected
     assert calls  # the fused path ran

@@ -25,6 +25,7 @@ import triton
 from nanovllm.kernels.cascade import cascade_scratch, members_per_tile
 from nanovllm.kernels.decode import decode_config, num_decode_splits
 from nanovllm.utils.pinned import host_tensor
+from nanovllm.worker.cuda_graphs import FullGraph, unpack
 
 # of the decode keys: on an H200 at batch 256, cascade broke even between 0.25 and 0.4 of the keys
 # saved (0.89x to 1.04x), and gave 1.5x to 2x at 0.6 to 0.8 (benchmarks/cascade_kernels.py)
@@ -217,7 +218,6 @@ class Cascade:
         room for is a program per KV head and split, and each unused one costs an SM slot for a
         moment, so a step with more tiles recaptures the twin bigger rather than every twin taking
         B // 2."""
-        from nanovllm.worker.cuda_graphs import FullGraph, unpack
         size = graph.sizes[1]
         capacity = min(size // 2, max(size // 16, triton.next_power_of_2(num_tiles)))
         buffer = torch.zeros(size + capacity * (2 + self.members), dtype=torch.int32,

@@ -33,6 +33,10 @@ class PagedAttention(nn.Module):
         self.rotary = rotary
         self.backend = backend
         self.kv_scales = backend.k_scale, backend.v_scale  # what the cache holds is K / k_scale
+        self.rope_store = None  # on CUDA: rotary and store in one kernel (kernels/store_kv.py)
+        if backend.config.device == "cuda":
+            from nanovllm.kernels.store_kv import rope_store  # imports triton: only where it runs
+            self.rope_store = rope_store
         # [num_blocks, block_size, num_kv_heads, head_dim] each, bound by the model runner
         self.k_cache = self.v_cache = torch.tensor([])
 
@@ -41,10 +45,10 @@ class PagedAttention(nn.Module):
         """qkv [N, num_heads + 2 * num_kv_heads, D]: store the rotated keys and the values; return
         the rotated queries [N, num_heads, D]."""
         norm = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm else (None, None, 0.0)
-        if qkv.is_cuda:
-            from nanovllm.kernels.store_kv import rope_store  # imports triton: only where it runs
-            return rope_store(qkv, positions, self.rotary.cos_sin, self.num_heads, self.k_cache,
-                              self.v_cache, slot_mapping, *norm, *self.kv_scales)
+        if self.rope_store is not None:
+            return self.rope_store(qkv, positions, self.rotary.cos_sin, self.num_heads,
+                                   self.k_cache, self.v_cache, slot_mapping, *norm,
+                                   *self.kv_scales)
         num_qk = self.num_heads + self.num_kv_heads
         qk = norm_rope(qkv[:, :num_qk], positions, self.rotary.cos_sin, self.num_heads, *norm)
         store_kv(qk[:, self.num_heads:], qkv[:, num_qk:], self.k_cache, self.v_cache, slot_mapping,

@@ -12,7 +12,9 @@ import os
 import torch
 
 from nanovllm.attention import AttentionBackend, AttentionMetadata
+from nanovllm.attention.cascade import Cascade
 from nanovllm.kernels import decode_attention, num_decode_splits, prefill_attention
+from nanovllm.kernels.cascade import cascade_attention
 from nanovllm.kernels.decode import decode_scratch
 from nanovllm.kernels.prefill import QUERY_TILE, query_tiles
 
@@ -37,14 +39,12 @@ class TritonBackend(AttentionBackend):
         self.scratch = decode_scratch(config.max_num_seqs, num_heads, num_kv_heads, head_dim,
                                       config.max_model_len, self.num_sms, device)
         if not config.disable_cascade_attn:  # shared prefixes read once per step
-            from nanovllm.attention.cascade import Cascade
             self.cascade = Cascade(self, config)
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
         d = meta.num_decodes
         if d and meta.cascade is not None:
-            from nanovllm.kernels.cascade import cascade_attention
             c = meta.cascade
             cascade_attention(q, k_cache, v_cache, meta.cu_seqlens_q[:d + 1], meta.context_lens[:d],
                               meta.block_tables[:d], c.key_starts[:d], c.tiles, self.scale,

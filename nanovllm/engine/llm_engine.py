@@ -3,9 +3,9 @@ batching.
 
 A step schedules a batch (nanovllm/core/scheduler.py), launches it on the model runner, reads its
 sampled tokens and hands them to the scheduler, which ends the sequences the output processor says
-are done. (With async_scheduling, the default on CUDA, it reads the tokens of the step launched
-before instead, while this one runs: nanovllm/worker/run_ahead.py.) Requests come in
-through the input processor and leave through the output processor as RequestOutputs. With
+are done. With async_scheduling (vLLM's name, the default on CUDA) it reads the tokens of the step
+launched before instead, while this one runs (run-ahead: nanovllm/worker/run_ahead.py). Requests
+come in through the input processor and leave through the output processor as RequestOutputs. With
 tensor_parallel_size > 1 the engine also starts one worker process per extra rank; `shutdown()` (or
 leaving a `with LLM(...)` block, or the engine being collected, or the program's exit) stops them.
 """
@@ -13,6 +13,7 @@ import gc
 from contextlib import AbstractContextManager
 
 from nanovllm.config import Config
+from nanovllm.worker.run_ahead import SampledTokens
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.engine.input_processor import InputProcessor, load_tokenizer
 from nanovllm.worker.model_runner import ModelRunner
@@ -99,14 +100,23 @@ class LLMEngine(AbstractContextManager):
         so far, or only the new ones with output_kind="delta", or only at its end with "final")."""
         if self.model_runner is None:
             raise RuntimeError("the engine was shut down")
-        if self.config.async_scheduling:  # launch the next step before reading this one's tokens
-            from nanovllm.worker.run_ahead import step_ahead
-            return step_ahead(self)
-        outputs, self.held = self.held, []
         launched = self.launch()
         if launched:
-            batch, (token_ids, logprobs) = launched
-            outputs += self.read_step(batch, token_ids.tolist(), logprobs)
+            launched = launched[0], SampledTokens(*launched[1])
+        previous, self.in_flight = self.in_flight, launched
+        outputs, self.held = self.held, []
+        pending = [step for step in (previous, launched) if step]  # lost if a read is interrupted
+        try:
+            if previous:
+                outputs += self.read_step(*previous)
+                pending.pop(0)
+            if launched and (not self.config.async_scheduling or read_now(launched[0])):
+                self.in_flight = None
+                outputs += self.read_step(*launched)
+        except BaseException:  # interrupted while waiting: those tokens are lost (requeue.py)
+            from nanovllm.core.requeue import lose
+            lose(self, [batch for batch, _ in pending], outputs)
+            raise
         return outputs
 
     def launch(self) -> tuple[ScheduledBatch, tuple] | None:
@@ -126,9 +136,9 @@ class LLMEngine(AbstractContextManager):
             observer.launched(batch)
         return batch, sampled
 
-    def read_step(self, batch: ScheduledBatch, token_ids: list[int], logprobs: list | None):
-        """Record a launched step's sampled tokens; the requests' outputs."""
-        new_tokens = self.scheduler.update(batch, token_ids, logprobs,
+    def read_step(self, batch: ScheduledBatch, sampled: SampledTokens) -> list[RequestOutput]:
+        """Wait for a launched step's sampled tokens and record them; the requests' outputs."""
+        new_tokens = self.scheduler.update(batch, sampled.tolist(), sampled.logprobs,
                                            self.output_processor.check_stop)
         outputs = self.output_processor.outputs(new_tokens)
         for observer in self.observers:
@@ -147,3 +157,10 @@ class LLMEngine(AbstractContextManager):
         tokens admitted and tokens generated."""
         from nanovllm.engine.stats import engine_stats
         return engine_stats(self)
+
+
+def read_now(batch: ScheduledBatch) -> bool:
+    """Whether a step's tokens are needed now (beam candidates, log-probabilities) or by nobody
+    (all its sequences ended at the step before): no step will take them on the device."""
+    return all(seq.is_finished for seq, _, _ in batch.sampled) or any(
+        seq.beam_width or seq.params.logprobs is not None for seq in batch.seqs)

@@ -1,13 +1,14 @@
-"""A decoder layer for steps of a few rows (batch-1 decoding) in 7 kernels instead of 10.
+"""The model's forward for steps of a few rows (batch-1 decoding), each layer in 7 kernels
+instead of 10.
 
-The layer of nanovllm/models/llama.py, step for step, with each norm and the SwiGLU gate moved into
-the prologue of the projection after it (nanovllm/kernels/gemv.py): RMSNorm + residual add + qkv,
-rotary + KV store, attention, o_proj, RMSNorm + residual add + gate_up, silu(gate) * up + down.
-The layer takes this path on CUDA when its input has at most 2 rows (DecoderLayer.forward). On an
-H200 (benchmarks/results/h200_batch1_*.log) a layer of Qwen3-0.6B takes 29 us instead of 43 at 1
-row, 34 instead of 45 at 2; at 4 rows it is no faster and at 8 slower (each program holds M times
-the accumulators). Its logits are the plain layer's within bf16 noise: both are 4e-2 of the
-largest logit from a float32 run.
+Each decoder layer of nanovllm/models/llama.py, step for step, with each norm and the SwiGLU gate
+moved into the prologue of the projection after it (nanovllm/kernels/gemv.py): RMSNorm + residual
+add + qkv, rotary + KV store, attention, o_proj, RMSNorm + residual add + gate_up, silu(gate) * up +
+down. The model runner takes this path on CUDA for steps of at most MAX_STEP_ROWS tokens
+(ModelRunner.forward). On an H200 a layer of Qwen3-0.6B takes 29 us instead of 43 at 1 row, 34
+instead of 45 at 2; at 4 rows it is no faster and at 8 slower (each program holds M times the
+accumulators). Its logits are the plain layer's within bf16 noise: both are 4e-2 of the largest
+logit from a float32 run.
 """
 import functools
 
@@ -16,7 +17,8 @@ import torch.distributed as dist
 
 from nanovllm.kernels.gemv import MAX_ROWS, NORM, SILU, gemv
 
-__all__ = ["MAX_ROWS", "decode_layer"]
+MAX_STEP_ROWS = 2  # the rows up to which this path is faster (at most the kernels' MAX_ROWS)
+assert MAX_STEP_ROWS <= MAX_ROWS
 
 
 @functools.cache
@@ -46,3 +48,11 @@ def decode_layer(layer, positions: torch.Tensor, x: torch.Tensor, residual, meta
     gate_up, residual = project(mlp.gate_up_proj, x, prologue=NORM, residual=residual,
                                 norm_weight=norm.weight, eps=norm.eps)
     return project(mlp.down_proj, gate_up, prologue=SILU)[0], residual
+
+
+def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta):
+    """LlamaForCausalLM.forward for a step of at most MAX_STEP_ROWS tokens, layer by layer."""
+    x, residual = model.model.embed_tokens(input_ids), None
+    for layer in model.model.layers:
+        x, residual = decode_layer(layer, positions, x, residual, meta)
+    return model.model.norm(x, residual)[0]

@@ -62,7 +62,7 @@ def sample_batch(logits: torch.Tensor, batch, runner) -> tuple[torch.Tensor, lis
     # a decode step's logits from its CUDA graph: sampled by a graph too (worker/cuda_graphs.py)
     token_ids = runner.graphs.sample(scores, t) if runner.graphs is not None else None
     if token_ids is None:
-        token_ids = sample(scores, t)
+        token_ids = sample(scores, t, runner.one_pass_sample)
     top = None
     if any(seq.params.logprobs is not None for seq, _ in rows):
         from nanovllm.layers.logprobs import logprobs
@@ -70,13 +70,13 @@ def sample_batch(logits: torch.Tensor, batch, runner) -> tuple[torch.Tensor, lis
     return token_ids, top
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Next token per row of logits [B, vocab]."""
+def sample(logits: torch.Tensor, t: SamplingTensors, one_pass_sample=None) -> torch.Tensor:
+    """Next token per row of logits [B, vocab]; `one_pass_sample(logits, temperatures)`, the
+    kernel that reads the logits once (kernels/sample.py, on CUDA), where it samples every row."""
     if t.all_greedy:
         return logits.argmax(-1)
-    if logits.is_cuda and t.one_pass:
-        from nanovllm.kernels.sample import gumbel_max_sample  # imports triton: only where it runs
-        return gumbel_max_sample(logits, t.temperatures)
+    if one_pass_sample is not None and t.one_pass:
+        return one_pass_sample(logits, t.temperatures)
     greedy = logits.argmax(-1)
     scaled = logits.float() / torch.where(t.temperatures > 0, t.temperatures, 1.0)[:, None]
     probs = (scaled if t.truncation is None else t.truncation.apply(scaled)).softmax(-1)

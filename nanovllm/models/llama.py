@@ -62,9 +62,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
     def forward(self, positions, x, residual, meta):
-        if x.is_cuda and x.shape[0] <= 2:  # batch 1-2 decode: fused GEMVs, fewer kernels
-            from nanovllm.layers.fused_decode import decode_layer
-            return decode_layer(self, positions, x, residual, meta)
         x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)

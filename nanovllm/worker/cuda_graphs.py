@@ -12,9 +12,9 @@ How much of a step a graph holds is the backend's to say (AttentionBackend.cudag
 - a whole graph where the attention kernels take their grids from the graph's sizes and read from
   the data which rows to run: the triton backend for any step, flash-attn's decode kernel for
   decodes;
-- a piecewise graph otherwise (vLLM v1's piecewise mode): the layers between two attention calls are
-  captured, and attention runs eagerly between the replays, with the step's own shapes (flash-attn's
-  varlen kernel and sdpa take them from the host).
+- a piecewise graph otherwise (vLLM v1's piecewise mode, worker/piecewise_graph.py): the layers
+  between two attention calls are captured, and attention runs eagerly between the replays, with
+  the step's own shapes (flash-attn's varlen kernel and sdpa take them from the host).
 
 A whole decode graph also holds what comes before and after the forward, which eagerly cost the
 host more than the forward's replay: it fills the placeholders of its token ids from the tokens the
@@ -34,6 +34,7 @@ from nanovllm.worker.run_ahead import fill_placeholders
 from nanovllm.core.sequence import num_blocks_for
 from nanovllm.worker.step_inputs import StepInputs
 from nanovllm.kernels.prefill import QUERY_TILE, query_tiles
+from nanovllm.kernels.sample import gumbel_max_sample
 from nanovllm.utils.pinned import host_tensor
 
 
@@ -94,6 +95,7 @@ def token_ladder(largest: int) -> list[int]:
 
 class FullGraph:
     """A whole forward pass: `forward(*inputs)`, the model or a decode step's `decode_forward`."""
+    eager_attention = False  # it reads its inputs where they were uploaded
 
     def __init__(self, forward, inputs: tuple, pool):
         self.forward = forward
@@ -104,52 +106,6 @@ class FullGraph:
 
     def replay(self, meta) -> torch.Tensor:
         self.graph.replay()
-        return self.hidden
-
-
-class PiecewiseGraph:
-    """A forward pass cut at its attention calls: one graph per piece, attention between them."""
-
-    def __init__(self, model, inputs: tuple, attns: list, q: torch.Tensor, out: torch.Tensor, pool):
-        self.q, self.out, self.pool = q, out, pool
-        # layers: (attention layer, its backend) after each graph but the last
-        self.graphs, self.layers = [], []
-        backends = [attn.backend for attn in attns]
-        for attn in attns:
-            attn.backend = self  # the stand-in that cuts (see forward)
-        try:
-            self.capturing = False
-            model(*inputs)  # warm up
-            self.capturing = True
-            torch.cuda.synchronize()
-            with torch.cuda.stream(torch.cuda.Stream()):
-                self._begin()
-                self.hidden = model(*inputs)
-                self.graphs[-1].capture_end()
-        finally:
-            for attn, backend in zip(attns, backends):
-                attn.backend = backend
-        self.layers = [(k, v, backend) for (k, v), backend in zip(self.layers, backends)]
-
-    def _begin(self):
-        self.graphs.append(torch.cuda.CUDAGraph())
-        self.graphs[-1].capture_begin(pool=self.pool)
-
-    def forward(self, q, k_cache, v_cache, meta) -> torch.Tensor:
-        """Stands in for the attention backend while capturing: end this piece, begin the next."""
-        if self.capturing:
-            self.q[:len(q)] = q
-            self.graphs[-1].capture_end()
-            self.layers.append((k_cache, v_cache))
-            self._begin()
-        return self.out[:len(q)]
-
-    def replay(self, meta) -> torch.Tensor:
-        n = meta.slot_mapping.shape[0]
-        for graph, (k_cache, v_cache, backend) in zip(self.graphs, self.layers):
-            graph.replay()
-            self.out[:n] = backend.forward(self.q[:n], k_cache, v_cache, meta)
-        self.graphs[-1].replay()
         return self.hidden
 
 
@@ -166,6 +122,7 @@ class CUDAGraphs:
         support = runner.backend.cudagraph_support
         # where the pieces hand queries to attention and take its output back
         if support != "always":
+            from nanovllm.worker.piecewise_graph import PiecewiseGraph  # flash's and sdpa's steps
             q = torch.empty(max_tokens, runner.backend.num_heads, config.hf_config["head_dim"],
                             dtype=config.torch_dtype, device=runner.device)
             out = torch.empty_like(q)
@@ -192,7 +149,7 @@ class CUDAGraphs:
             args = unpack(inputs, sizes, sizes, num_decodes=sizes[1])
             whole = support == "always" or (support == "decode" and kind == "decode")
             ends_in_logits = whole and kind == "decode" and self.logits is not None
-            forward = self.decode_forward(runner.model) if ends_in_logits else runner.model
+            forward = self.decode_forward(runner) if ends_in_logits else runner.forward
             graph = (FullGraph(forward, args, pool) if whole else
                      PiecewiseGraph(runner.model, args, runner.kv_cache.attns, q, out, pool))
             graph.sizes, graph.inputs, graph.ends_in_logits = sizes, inputs, ends_in_logits
@@ -202,13 +159,14 @@ class CUDAGraphs:
         if hasattr(runner, "tp"):
             runner.tp.graphs = self.graphs  # destroyed before NCCL shuts down (TPGroup.close)
 
-    def decode_forward(self, model):
+    def decode_forward(self, runner):
         """A decode step as its graph holds it: placeholders filled from the last step's tokens, the
         forward, then the logits of every row (one GEMM, into the shared buffer)."""
         def forward(input_ids, positions, meta):
             fill_placeholders(input_ids, self.tokens)
-            hidden = model(input_ids, positions, meta)
-            return torch.mm(hidden, model.lm_head.weight.t(), out=self.logits[:len(input_ids)])
+            hidden = runner.forward(input_ids, positions, meta)
+            head = runner.model.lm_head.weight
+            return torch.mm(hidden, head.t(), out=self.logits[:len(input_ids)])
         return forward
 
     @staticmethod
@@ -237,8 +195,8 @@ class CUDAGraphs:
                 self.tokens[:len(runner.last_tokens)].copy_(runner.last_tokens)
         elif min(step.input_ids) < 0:  # the token ids lead the upload
             runner.fill_placeholders(flat[:len(step.input_ids)])
-        meta = None  # a whole graph reads its inputs where they were uploaded; the eager attention
-        if isinstance(graph, PiecewiseGraph):  # between pieces takes views of them
+        meta = None  # the eager attention between a piecewise graph's pieces takes views of them
+        if graph.eager_attention:
             meta = unpack(flat, graph.sizes, step_sizes(step), step.num_decodes, step)[2]
         if runner.backend.cascade is not None:  # perhaps its twin that reads shared prefixes once
             graph = runner.backend.cascade.prepare(runner, step, meta, graph)
@@ -260,7 +218,6 @@ class CUDAGraphs:
         n = len(logits)
         size = next(s for s in self.decode_sizes if s >= n)
         if size not in self.samplers:  # captured on first use, like the cascade twins
-            from nanovllm.kernels.sample import gumbel_max_sample
             args = self.logits[:size], self.temperatures[:size]
             gumbel_max_sample(*args, out=self.tokens[:size])  # warm up: compile outside the capture
             self.samplers[size] = torch.cuda.CUDAGraph()

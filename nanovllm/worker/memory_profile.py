@@ -37,7 +37,8 @@ def num_blocks_that_fit(runner) -> int:
     # top-p's sort is the sampler's peak
     for params in (SamplingParams(top_p=0.9), SamplingParams()):
         rows = [(Sequence([0], params, 1), 0)] * config.max_num_seqs
-        sample(logits, SamplingTensors.of(rows, config.hf_config["vocab_size"], device))
+        t = SamplingTensors.of(rows, config.hf_config["vocab_size"], device)
+        sample(logits, t, runner.one_pass_sample)
     kv_cache.allocate(0)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)

@@ -10,15 +10,18 @@ nanovllm/layers/sampler.py), and returns before the GPU is done.
 import torch
 
 from nanovllm.attention import get_backend
-from nanovllm.worker.kv_cache import CPU_KVCACHE_BYTES, KVCache
+from nanovllm.config import Config
 from nanovllm.core.scheduler import ScheduledBatch
-from nanovllm.worker.step_inputs import StepInputs, step_inputs, to_tensors
+from nanovllm.layers.sampler import sample_batch
 from nanovllm.models import model_class
 from nanovllm.utils.loader import load_model
+from nanovllm.worker.kv_cache import CPU_KVCACHE_BYTES, KVCache
+from nanovllm.worker.run_ahead import fill_placeholders
+from nanovllm.worker.step_inputs import StepInputs, step_inputs, to_tensors
 
 
 class ModelRunner:
-    def __init__(self, config, device: torch.device | None = None):
+    def __init__(self, config: Config, device: torch.device | None = None):
         """Build the model, its KV cache and, on CUDA, its CUDA graphs. (Tensor parallelism builds
         one shard per rank: TPModelRunner, nanovllm/worker/distributed.py.)"""
         self.config = config
@@ -38,6 +41,13 @@ class ModelRunner:
             init_dummy(self.model, config.seed)
         else:
             load_model(self.model, config.model)
+        # on CUDA, Triton kernels (imported only where they run): sampling in one pass over the
+        # logits (kernels/sample.py), steps of a few rows through fused GEMVs (fused_decode.py)
+        self.one_pass_sample = self.small_batch = None
+        if self.device.type == "cuda":
+            from nanovllm.kernels.sample import gumbel_max_sample
+            from nanovllm.layers import fused_decode
+            self.one_pass_sample, self.small_batch = gumbel_max_sample, fused_decode
         self.last_tokens = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.eos_token_ids: set[int] = set()  # the engine's, for min_tokens
         self.swap_space = self.graphs = None
@@ -82,14 +92,19 @@ class ModelRunner:
             self.fill_placeholders(input_ids)
         if self.backend.cascade is not None:  # shared prefixes read once: attention/cascade.py
             self.backend.cascade.prepare(self, step, meta, None)
-        return self.model.compute_logits(self.model(input_ids, positions, meta)[sample_rows])
+        return self.model.compute_logits(self.forward(input_ids, positions, meta)[sample_rows])
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """The model's hidden states of a step; a step of a few rows takes the fused path."""
+        if self.small_batch is not None and len(input_ids) <= self.small_batch.MAX_STEP_ROWS:
+            return self.small_batch.forward(self.model, input_ids, positions, meta)
+        return self.model(input_ids, positions, meta)
 
     def step_inputs(self, batch: ScheduledBatch) -> StepInputs:
         return step_inputs(batch, self.config.kvcache_block_size)
 
     def fill_placeholders(self, input_ids: torch.Tensor):
         """Put the tokens the last step sampled in place of their placeholders (run_ahead.py)."""
-        from nanovllm.worker.run_ahead import fill_placeholders
         fill_placeholders(input_ids, self.last_tokens)
 
     @torch.inference_mode()
@@ -104,7 +119,6 @@ class ModelRunner:
         if all(p.greedy and not p.penalized and p.logprobs is None for p in params):
             token_ids, top = logits.argmax(-1), None
         else:  # penalties, temperature, seeds, truncation, log-probabilities: layers/sampler.py
-            from nanovllm.layers.sampler import sample_batch
             token_ids, top = sample_batch(logits, batch, self)
         self.last_tokens = token_ids
         return token_ids, top

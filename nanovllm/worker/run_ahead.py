@@ -8,11 +8,9 @@ nanovllm/core/sequence.py). Step t+1's inputs may hold placeholders: the model r
 on the device from the tokens step t left there (`fill_placeholders`). When the engine reads step
 t's tokens (`SampledTokens`), the scheduler puts them in place of the placeholders. A sequence that
 ended at step t has wasted one token of step t+1. Steps whose tokens the host needs at once (beam
-candidates, log-probabilities) are read at once.
+candidates, log-probabilities) are read at once (LLMEngine.step).
 """
 import torch
-
-from nanovllm.core.requeue import lose
 
 
 def fill_placeholders(input_ids: torch.Tensor, last_tokens: torch.Tensor):
@@ -38,35 +36,3 @@ class SampledTokens:
         if self.ready is not None:
             self.ready.synchronize()  # waits for that step only, not for one launched after it
         return self.host.tolist()
-
-
-def step_ahead(engine) -> list:
-    """LLMEngine.step with run-ahead: launch the next step, then read the one launched before."""
-    launched = engine.launch()
-    if launched:
-        launched = launched[0], SampledTokens(*launched[1])
-    previous, engine.in_flight = engine.in_flight, launched
-    outputs, engine.held = engine.held, []
-    pending = [step for step in (previous, launched) if step]  # lost if a read is interrupted
-    try:
-        if previous:
-            outputs += read(engine, *previous)
-            pending.pop(0)
-        if launched and read_now(launched[0]):
-            engine.in_flight = None
-            outputs += read(engine, *launched)
-    except BaseException:  # interrupted while waiting: those tokens are lost (requeue.py)
-        lose(engine, [batch for batch, _ in pending], outputs)
-        raise
-    return outputs
-
-
-def read(engine, batch, sampled: SampledTokens) -> list:
-    return engine.read_step(batch, sampled.tolist(), sampled.logprobs)
-
-
-def read_now(batch) -> bool:
-    """Whether a step's tokens are needed now (beam candidates, log-probabilities) or by nobody
-    (all its sequences ended at the step before): no step will take them on the device."""
-    return all(seq.is_finished for seq, _, _ in batch.sampled) or any(
-        seq.beam_width or seq.params.logprobs is not None for seq in batch.seqs)
