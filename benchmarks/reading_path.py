@@ -30,7 +30,7 @@ PACKAGE = os.path.join(ROOT, "nanovllm")
 CHILD = r"""
 import json, sys
 from nanovllm import LLM, SamplingParams
-llm = LLM(sys.argv[1], kvcache_block_size=16, num_kvcache_blocks=64, skip_tokenizer_init=True)
+llm = LLM(sys.argv[1], skip_tokenizer_init=True, **json.loads(sys.argv[2]))
 out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
 assert len(out[0].outputs[0].token_ids) == 8
 print(json.dumps(sorted(name for name, m in sys.modules.items()
@@ -115,8 +115,8 @@ def cuda_modules() -> list[str]:
     return sorted(seen)
 
 
-def cpu_modules() -> list[str]:
-    """The modules one greedy request on the CPU loads, as it runs."""
+def loaded_modules(**options) -> list[str]:
+    """The modules one greedy request loads, as it runs (on the CPU with device="cpu")."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
     config = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -126,8 +126,8 @@ def cpu_modules() -> list[str]:
         torch.manual_seed(0)
         Qwen3ForCausalLM(config).save_pretrained(path)
         env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        result = subprocess.run([sys.executable, "-c", CHILD, path], capture_output=True,
-                                text=True, env=env)
+        result = subprocess.run([sys.executable, "-c", CHILD, path, json.dumps(options)],
+                                capture_output=True, text=True, env=env)
     if result.returncode:
         raise RuntimeError(result.stderr[-3000:])
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -145,7 +145,7 @@ def main():
                         help="exit with status 1 when a path has more code lines than this")
     parser.add_argument("--list", action="store_true", help="print every module and its lines")
     args = parser.parse_args()
-    cpu = count(cpu_modules())
+    cpu = count(loaded_modules(device="cpu", kvcache_block_size=16, num_kvcache_blocks=64))
     cuda = count(cuda_modules())
     kernels = [(f, n) for f, n in cuda if f.startswith(os.path.join("nanovllm", "kernels"))]
     cuda = [row for row in cuda if row not in kernels]

@@ -1,5 +1,4 @@
 """Engine options, validated once: the `Config` every part of the engine reads."""
-import importlib.util
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -18,6 +17,7 @@ REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_l
 
 @dataclass(slots=True)
 class Config:
+    """Every engine option (LLM(model, **options)), checked when it is built."""
     model: str
     max_num_batched_tokens: int = at_least(1, default=16384)  # new tokens per step
     # sequences per step (at most a CUDA grid's second axis: one program row per sequence)
@@ -31,7 +31,7 @@ class Config:
     num_kvcache_blocks: int = rule(-1, lambda v: v >= 1 or v == -1, "an integer >= 1 (or -1: auto)")
     enforce_eager: bool = False          # no CUDA graphs
     async_scheduling: bool | None = None  # run ahead of the GPU (worker/run_ahead.py); None: CUDA
-    attn_backend: Literal[("", *BACKENDS)] = ""  # "": flash (if installed) or triton; sdpa on CPU
+    attn_backend: Literal[("", *BACKENDS)] = ""  # "": triton on CUDA (the fastest), sdpa on CPU
     device: Literal["", "cuda", "cpu"] = ""  # "": cuda when present, else cpu
     dtype: Literal[("auto", *DTYPES)] = "auto"  # "auto": the checkpoint's on CUDA, float32 on CPU
     load_format: Literal["safetensors", "dummy"] = "safetensors"  # "dummy": random weights
@@ -69,8 +69,7 @@ class Config:
         if self.async_scheduling is None:  # on CPU a step is done when it returns: nothing to gain
             self.async_scheduling = self.device == "cuda"
         if not self.attn_backend:
-            flash = importlib.util.find_spec("flash_attn") is not None
-            self.attn_backend = "sdpa" if self.device == "cpu" else "flash" if flash else "triton"
+            self.attn_backend = "sdpa" if self.device == "cpu" else "triton"
         checkpoint = self.hf_config.get("torch_dtype") or self.hf_config.get("dtype")
         auto = torch.float32 if self.device == "cpu" else DTYPES.get(checkpoint, torch.bfloat16)
         self.torch_dtype = auto if self.dtype == "auto" else DTYPES[self.dtype]

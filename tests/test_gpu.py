@@ -186,3 +186,11 @@ def test_sampler_graph_draws_anew_and_by_the_distribution(qwen3_dir):
     freq = torch.bincount(draws[:, 1:].flatten() - 7, minlength=3).float() / draws[:, 1:].numel()
     assert torch.allclose(freq, probs, atol=0.01), freq
     llm.shutdown()
+
+
+def test_reading_path_counts_the_modules_a_cuda_request_loads():
+    """benchmarks/reading_path.py counts the CUDA path statically, as CI has no GPU: its modules
+    are exactly those that a greedy request on the default CUDA configuration loads."""
+    from benchmarks.reading_path import cuda_modules, loaded_modules
+    loaded = set(loaded_modules())
+    assert set(cuda_modules()) == loaded

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from nanovllm.config import Config
 from nanovllm.kernels.cascade import cascade_scratch, members_per_tile
 from nanovllm.kernels.decode import decode_config, num_decode_splits
 from nanovllm.utils.pinned import host_tensor
@@ -152,7 +153,7 @@ def prefix_splits(num_tiles: int, num_kv_heads: int, num_sms: int, max_keys: int
 class Cascade:
     """One triton backend's cascade attention: plans steps, holds the scratch and the graphs."""
 
-    def __init__(self, backend, config):
+    def __init__(self, backend, config: Config):
         self.backend, self.block_size = backend, config.kvcache_block_size
         # a step of swaps alone never comes here, and its swaps in would go unseen: with swap
         # preemption, rows share whole blocks only

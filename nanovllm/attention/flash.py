@@ -9,6 +9,7 @@ decode-only steps whole and the others piecewise.
 import torch
 
 from nanovllm.attention import AttentionBackend, AttentionMetadata
+from nanovllm.config import Config
 
 try:
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -19,7 +20,7 @@ except ImportError:
 class FlashBackend(AttentionBackend):
     cudagraph_support = "decode"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, config):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, config: Config):
         if config.kv_cache_dtype == "fp8":
             raise ValueError("kv_cache_dtype='fp8' needs attn_backend 'triton' or 'sdpa', not "
                              "'flash' (flash-attn 2 has no FP8 KV cache)")

@@ -13,6 +13,7 @@ import torch
 
 from nanovllm.attention import AttentionBackend, AttentionMetadata
 from nanovllm.attention.cascade import Cascade
+from nanovllm.config import Config
 from nanovllm.kernels import decode_attention, num_decode_splits, prefill_attention
 from nanovllm.kernels.cascade import cascade_attention
 from nanovllm.kernels.decode import decode_scratch
@@ -24,7 +25,7 @@ CPU_NUM_SMS = 4  # the interpreter has no SMs; a few keeps split-KV in play in C
 class TritonBackend(AttentionBackend):
     cudagraph_support = "always"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, config):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, config: Config):
         if config.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("attn_backend='triton' on device='cpu' runs only in Triton's "
                              "interpreter (slow; for tests): set TRITON_INTERPRET=1 before Python "

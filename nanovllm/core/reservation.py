@@ -15,6 +15,7 @@ is never preempted for one), and gives the reservation back when it ends. The bl
 adjacent: this models the memory a reservation holds unused (the paper's Figure 2: reserved slots
 and internal fragmentation), not the external fragmentation of Orca's buddy allocator.
 """
+from nanovllm.config import Config
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.sequence import Sequence, num_blocks_for
 
@@ -30,7 +31,7 @@ def reserved_tokens(mode: str, num_prompt_tokens: int, max_tokens: int, max_mode
 class ReservingBlockManager(BlockManager):
     """A block manager that gives each sequence its whole reservation when it is admitted."""
 
-    def __init__(self, num_blocks: int, config):
+    def __init__(self, num_blocks: int, config: Config):
         super().__init__(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
         self.mode, self.max_model_len = config.kv_reservation, config.max_model_len
         need = num_blocks_for(self.max_model_len, self.block_size)

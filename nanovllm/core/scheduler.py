@@ -22,6 +22,7 @@ sequences that end.
 from collections import deque
 from dataclasses import dataclass, field
 
+from nanovllm.config import Config
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.sequence import Sequence, SequenceStatus, placeholder
 
@@ -53,7 +54,7 @@ def runnable(seq: Sequence, decodes: bool) -> bool:
 
 
 class Scheduler:
-    def __init__(self, config, block_manager: BlockManager):
+    def __init__(self, config: Config, block_manager: BlockManager):
         self.config = config
         self.block_manager = block_manager
         self.swap = None  # a Swapper (nanovllm/core/swap.py) with preemption_mode="swap"

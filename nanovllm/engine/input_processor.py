@@ -3,6 +3,7 @@ tokenized into its first Sequence, before anything is queued. A request that cou
 refused here, with the numbers, rather than failing later inside a step."""
 import os
 
+from nanovllm.config import Config
 from nanovllm.core.sequence import Sequence, num_blocks_for
 from nanovllm.sampling_params import SamplingParams
 
@@ -20,7 +21,7 @@ def load_tokenizer(model: str):
 
 
 class InputProcessor:
-    def __init__(self, config, tokenizer, num_kvcache_blocks: int):
+    def __init__(self, config: Config, tokenizer, num_kvcache_blocks: int):
         self.config = config
         self.tokenizer = tokenizer
         self.num_kvcache_blocks = num_kvcache_blocks

@@ -7,6 +7,7 @@ it goes (nanovllm/engine/streaming.py).
 import json
 from pathlib import Path
 
+from nanovllm.config import Config
 from nanovllm.core.sequence import Sequence
 from nanovllm.outputs import CompletionOutput, RequestOutput
 
@@ -21,7 +22,7 @@ def eos_token_ids(model: str, hf_config: dict, tokenizer) -> set[int]:
 
 
 class OutputProcessor:
-    def __init__(self, config, tokenizer):
+    def __init__(self, config: Config, tokenizer):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids(config.model, config.hf_config, tokenizer)
 

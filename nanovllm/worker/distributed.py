@@ -26,6 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from nanovllm.config import Config
 from nanovllm.worker.model_runner import ModelRunner
 from nanovllm.layers.tensor_parallel import heads_per_rank, shard_model
 
@@ -87,7 +88,7 @@ class TPModelRunner(ModelRunner):
     blocks that fit on every rank (rank 0's one block manager hands them out for all), and, on rank
     0, each step sent to the other ranks, which run the same forward pass on their shards."""
 
-    def __init__(self, config, tp: TPGroup):
+    def __init__(self, config: Config, tp: TPGroup):
         self.tp = tp
         super().__init__(config, torch.device("cuda", tp.rank) if config.device == "cuda" else None)
         tp.idle = True  # every rank is built: the workers now wait for steps
