@@ -97,7 +97,8 @@ def imports(name: str) -> set[str]:
             found.add(node.module)  # `from package import module` names a module too
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
     modules = {m for m in found if m.split(".")[0] == "nanovllm" and module_file(m)}
-    return modules | {".".join(m.split(".")[:i]) for m in modules for i in range(1, m.count("."))}
+    parents = {m.rsplit(".", i)[0] for m in modules for i in range(1, m.count(".") + 1)}
+    return modules | parents
 
 
 def optional(name: str) -> bool:

@@ -387,21 +387,26 @@ def test_beam_search_equals_plain(triton_llms):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: a GPU's")
-def test_a_twin_is_recaptured_with_room_for_more_tiles(tiny_path, monkeypatch):
-    """A decode graph's cascade twin launches its room for tiles: 8 rows that are one prompt's 8
-    samples (1 tile) capture room for 1; 4 prompts' 2 samples each (4 tiles) recapture it with
-    room for 4. The tokens equal plain decode's."""
+def test_twins_are_captured_at_start_and_a_step_past_their_room_runs_plain(tiny_path):
+    """Every decode graph of 2 rows or more has its cascade twin from the start, with room for a
+    quarter as many tiles as rows: 8 rows that are one prompt's 8 samples (1 tile) run cascade; 4
+    prompts' 2 samples each (4 tiles, room for 2) run plain decode. No twin is captured later, and
+    the tokens equal plain decode's."""
     llms = engines(tiny_path)
     cascade = llms[True].model_runner.backend.cascade
-    rooms = []
-    capture = cascade.capture
-    monkeypatch.setattr(cascade, "capture", lambda runner, graph, num_tiles: rooms.append(
-        (graph.sizes[1], num_tiles)) or capture(runner, graph, num_tiles))
-    results = {}
+    graphs = llms[True].model_runner.graphs
+    decode_sizes = [size for kind, size in graphs.graphs if kind == "decode" and size >= 2]
+    assert sorted(cascade.twins) == sorted(decode_sizes) and cascade.twins[8][3] == 2
+    twins = {size: twin[0] for size, twin in cascade.twins.items()}
+    results, steps = {}, []
     for on, llm in llms.items():
-        results[on] = [[[c.token_ids for c in o.outputs] for o in llm.generate(
-            random_prompts(k, (40, 40), seed=10 + k), SamplingParams(
-                temperature=0, max_tokens=6, ignore_eos=True, n=8 // k), use_tqdm=False)]
-            for k in (1, 4)]
-    assert (8, 1) in rooms and (8, 4) in rooms and cascade.twins[8][3] == 4, rooms
+        results[on] = []
+        for k in (1, 4):
+            before = cascade_steps(llms[True])
+            outputs = llm.generate(random_prompts(k, (40, 40), seed=10 + k), SamplingParams(
+                temperature=0, max_tokens=6, ignore_eos=True, n=8 // k), use_tqdm=False)
+            results[on].append([[c.token_ids for c in o.outputs] for o in outputs])
+            steps.append(cascade_steps(llms[True]) - before)
+    assert steps[0] > 0 and steps[1] == 0, steps  # (steps[2:]: the engine without cascade)
+    assert {size: twin[0] for size, twin in cascade.twins.items()} == twins
     assert results[True] == results[False]

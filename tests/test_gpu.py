@@ -194,3 +194,48 @@ def test_reading_path_counts_the_modules_a_cuda_request_loads():
     from benchmarks.reading_path import cuda_modules, loaded_modules
     loaded = set(loaded_modules())
     assert set(cuda_modules()) == loaded
+
+
+def test_nothing_is_built_after_start(qwen3_dir):
+    """Once LLM() returns, serving what the configuration allows compiles no kernel, traces no
+    torch.compile graph and captures no CUDA graph: shared prefixes (cascade), parallel samples,
+    beams, penalties, truncation, log-probabilities, seeds, batch sizes up to max_num_seqs, steps
+    up to max_num_batched_tokens, with a bf16 and an FP8 cache."""
+    from torch._dynamo.utils import counters
+    from triton import knobs
+    built = []
+    capture_begin = torch.cuda.CUDAGraph.capture_begin
+
+    def count_capture(graph, *args, **kwargs):
+        built.append("CUDA graph")
+        return capture_begin(graph, *args, **kwargs)
+    rng = random.Random(1)
+    prefix = [rng.randrange(151936) for _ in range(300)]
+    shared = [prefix + [rng.randrange(151936) for _ in range(rng.randrange(1, 40))]
+              for _ in range(24)]
+    alone = [[rng.randrange(151936) for _ in range(rng.randrange(1, 900))] for _ in range(40)]
+    params = [SamplingParams(temperature=0, max_tokens=12), SamplingParams(n=3, max_tokens=9),
+              SamplingParams(top_k=20, top_p=0.9, min_p=0.05, max_tokens=7),
+              SamplingParams(presence_penalty=0.5, repetition_penalty=1.2, max_tokens=8),
+              SamplingParams(logprobs=2, max_tokens=5), SamplingParams(seed=3, max_tokens=6)]
+    for kv_cache_dtype in ("auto", "fp8"):
+        llm = LLM(qwen3_dir, max_num_seqs=48, max_num_batched_tokens=2048, max_model_len=2048,
+                  kvcache_block_size=16, kv_cache_dtype=kv_cache_dtype, skip_tokenizer_init=True,
+                  gpu_memory_utilization=0.5)
+        graphs, compiles = dict(counters["stats"]), []
+        knobs.runtime.jit_post_compile_hook = lambda *args, **kwargs: compiles.append(kwargs)
+        torch.cuda.CUDAGraph.capture_begin = count_capture
+        try:
+            llm.generate(shared, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+            llm.generate(alone, [params[i % len(params)] for i in range(len(alone))],
+                         use_tqdm=False)
+            llm.beam_search(shared[:2], beam_width=3, max_tokens=4)
+            for batch in (1, 2, 3, 17, 48):  # decode batches of every kind of size
+                llm.generate(alone[:batch], SamplingParams(max_tokens=3), use_tqdm=False)
+        finally:
+            knobs.runtime.jit_post_compile_hook = None
+            torch.cuda.CUDAGraph.capture_begin = capture_begin
+        assert llm.model_runner.backend.cascade.num_steps > 0  # the shared prefix was read once
+        assert built == [] and compiles == [], (kv_cache_dtype, built, compiles)
+        assert dict(counters["stats"]) == graphs, kv_cache_dtype  # no torch.compile graph either
+        llm.shutdown()

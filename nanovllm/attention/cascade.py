@@ -11,10 +11,11 @@ keeps its own keys, at least the one it writes this step). A group is cut into t
 The rule: cascade runs when the keys it saves, (members - 1) x shared_len summed over tiles, are at
 least MIN_SAVED_FRACTION of all the keys the step's decodes read; otherwise plain decode does.
 
-CUDA graphs: a decode step that uses cascade replays a twin of its decode graph, captured the first
-time it is needed, that reads the same inputs plus the plan at fixed addresses (room for the tiles
-its steps have had, recaptured bigger when a step has more; unused tiles have shared_len 0). The
-triton backend alone does this; the others ignore `disable_cascade_attn`.
+CUDA graphs: a decode step that uses cascade replays a twin of its decode graph, captured with it
+when the engine starts, that reads the same inputs plus the plan at fixed addresses, with room for
+a quarter as many tiles as the graph has rows (unused tiles have shared_len 0; a step with more
+tiles runs plain decode). The triton backend alone does this; the others ignore
+`disable_cascade_attn`.
 """
 import time
 from dataclasses import dataclass
@@ -187,8 +188,8 @@ class Cascade:
                                               self.block_size, self.members, self.copies)
         if not pays(saved, step.context_lens, d):
             return graph
-        self.num_steps += 1
         if graph is None:
+            self.num_steps += 1
             splits = prefix_splits(len(tiles), self.backend.num_kv_heads, self.backend.num_sms,
                                    max(t[1] for t in tiles))
             flat = self.upload(key_starts + [x for t in tiles for x in t], runner)
@@ -197,7 +198,8 @@ class Cascade:
             return None
         size = graph.sizes[1]
         if size not in self.twins or len(tiles) > self.twins[size][3]:
-            self.twins[size] = self.capture(runner, graph, len(tiles))
+            return graph  # no room for its tiles: plain decode
+        self.num_steps += 1
         twin, buffer, live, capacity = self.twins[size]
         # unused tiles have shared_len 0: zero only those the last step of this graph used
         pad = [0] * (2 + self.members) * max(0, live - len(tiles))
@@ -212,15 +214,23 @@ class Cascade:
             return host.to(runner.device, non_blocking=True)
         return into.copy_(host, non_blocking=True)
 
-    def capture(self, runner, graph, num_tiles: int) -> tuple:
+    def capture_twins(self, runner, graphs):
+        """The twin of every decode graph of two rows or more (worker/cuda_graphs.py), captured
+        when the engine starts: none is captured while it serves."""
+        self.pool = torch.cuda.graph_pool_handle()
+        start = time.perf_counter()
+        for (kind, size), graph in graphs.graphs.items():
+            if kind == "decode" and size >= 2:
+                self.twins[size] = self.capture(runner, graph)
+        self.capture_seconds = time.perf_counter() - start
+
+    def capture(self, runner, graph) -> tuple:
         """A decode graph's twin that runs cascade attention: the same inputs, plus a plan buffer
-        of [B] key starts and room for num_tiles tiles: the next power of two, at least B // 16
-        and at most B // 2 (every tile has >= 2 rows). The launch is static: every tile it has
-        room for is a program per KV head and split, and each unused one costs an SM slot for a
-        moment, so a step with more tiles recaptures the twin bigger rather than every twin taking
-        B // 2."""
+        of [B] key starts and room for B // 4 tiles (a tile has 2 rows or more: B // 2 at most).
+        The launch is static: every tile it has room for is a program per KV head and split, and
+        each unused one costs an SM slot for a moment, hence not B // 2."""
         size = graph.sizes[1]
-        capacity = min(size // 2, max(size // 16, triton.next_power_of_2(num_tiles)))
+        capacity = max(1, size // 4)
         buffer = torch.zeros(size + capacity * (2 + self.members), dtype=torch.int32,
                              device=runner.device)
         input_ids, positions, meta = unpack(graph.inputs, graph.sizes, graph.sizes, size)
@@ -229,10 +239,7 @@ class Cascade:
                                self.max_model_len)
         meta.cascade = CascadeStep(buffer[:size], buffer[size:].view(capacity, -1),
                                    self.num_splits(size), splits)
-        self.pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
-        start = time.perf_counter()
         twin = FullGraph(graph.forward, (input_ids, positions, meta), self.pool)
         twin.sizes, twin.inputs = graph.sizes, graph.inputs
         twin.ends_in_logits = graph.ends_in_logits
-        self.capture_seconds += time.perf_counter() - start
         return twin, buffer, 0, capacity

@@ -154,6 +154,10 @@ class CUDAGraphs:
                      PiecewiseGraph(runner.model, args, runner.kv_cache.attns, q, out, pool))
             graph.sizes, graph.inputs, graph.ends_in_logits = sizes, inputs, ends_in_logits
             self.graphs[kind, size] = graph
+            if ends_in_logits:  # its rows drawn by a sampling graph of the same size
+                self.samplers[size] = self.capture_sampler(size)
+        if runner.backend.cascade is not None:  # the decode graphs' twins: attention/cascade.py
+            runner.backend.cascade.capture_twins(runner, self)
         self.capture_seconds = time.perf_counter() - start  # what they cost: bench.py prints it
         self.capture_bytes = torch.cuda.memory_reserved(runner.device) - memory
         if hasattr(runner, "tp"):
@@ -217,12 +221,15 @@ class CUDAGraphs:
             return None
         n = len(logits)
         size = next(s for s in self.decode_sizes if s >= n)
-        if size not in self.samplers:  # captured on first use, like the cascade twins
-            args = self.logits[:size], self.temperatures[:size]
-            gumbel_max_sample(*args, out=self.tokens[:size])  # warm up: compile outside the capture
-            self.samplers[size] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.samplers[size], self.pool):
-                gumbel_max_sample(*args, out=self.tokens[:size])
         self.temperatures[:n].copy_(t.temperatures)
         self.samplers[size].replay()
         return self.tokens[:n]
+
+    def capture_sampler(self, size: int) -> torch.cuda.CUDAGraph:
+        """gumbel_max_sample of `size` rows of the shared logits, into self.tokens."""
+        args = self.logits[:size], self.temperatures[:size]
+        gumbel_max_sample(*args, out=self.tokens[:size])  # warm up: compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, self.pool):
+            gumbel_max_sample(*args, out=self.tokens[:size])
+        return graph

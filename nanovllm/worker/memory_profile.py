@@ -31,14 +31,15 @@ def num_blocks_that_fit(runner) -> int:
     runner.execute(StepInputs([0] * cu[-1], list(range(length)) * num_seqs, slots * num_seqs, cu,
                               [length] * num_seqs, [table] * num_seqs, 0,
                               [end - 1 for end in cu[1:]]))
-    # logits in the model's dtype: the sampling kernel compiles here for the dtype it will see
-    logits = torch.randn(config.max_num_seqs, config.hf_config["vocab_size"], device=device,
-                         dtype=config.torch_dtype)
-    # top-p's sort is the sampler's peak
-    for params in (SamplingParams(top_p=0.9), SamplingParams()):
-        rows = [(Sequence([0], params, 1), 0)] * config.max_num_seqs
-        t = SamplingTensors.of(rows, config.hf_config["vocab_size"], device)
-        sample(logits, t, runner.one_pass_sample)
+    # logits in the model's dtype, and in float32 after penalties: the sampling kernel compiles
+    # here for both; top-p's sort is the sampler's peak
+    for dtype in (config.torch_dtype, torch.float32):
+        logits = torch.randn(config.max_num_seqs, config.hf_config["vocab_size"], device=device,
+                             dtype=dtype)
+        for params in (SamplingParams(top_p=0.9), SamplingParams()):
+            rows = [(Sequence([0], params, 1), 0)] * config.max_num_seqs
+            t = SamplingTensors.of(rows, config.hf_config["vocab_size"], device)
+            sample(logits, t, runner.one_pass_sample)
     kv_cache.allocate(0)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
