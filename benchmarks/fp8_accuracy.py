@@ -19,10 +19,10 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from nanovllm import LLM
-from tests.teacher_forcing import engine_logits, rel_error
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import arch_path  # noqa: E402
+from nanovllm import LLM  # noqa: E402
+from tests.teacher_forcing import engine_logits, rel_error  # noqa: E402
 
 CONFIGS = [  # (model dtype, kv_cache_dtype, attn_backend)
     ("float32", "auto", "sdpa"), ("float32", "auto", "triton"), ("bfloat16", "auto", "triton"),
@@ -31,7 +31,7 @@ CONFIGS = [  # (model dtype, kv_cache_dtype, attn_backend)
 
 def build(dtype: str, kv_cache_dtype: str, backend: str, weights: dict | None, args) -> LLM:
     """An engine over random Qwen3-0.6B; `weights` (a CPU state dict) replaces its own if given."""
-    llm = LLM(os.path.join(ROOT, "benchmarks", args.arch), load_format="dummy",
+    llm = LLM(arch_path(args.arch), load_format="dummy",
               skip_tokenizer_init=True, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
               attn_backend=backend, enforce_eager=True, gpu_memory_utilization=0.5,
               max_model_len=args.prompt_len + args.forced_len)
@@ -44,7 +44,7 @@ def build(dtype: str, kv_cache_dtype: str, backend: str, weights: dict | None, a
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", default="Qwen3-0.6B")
+    parser.add_argument("--arch", default="Qwen3-0.6B", help="one of benchmarks/archs.json")
     parser.add_argument("--num-seqs", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--forced-len", type=int, default=64, help="teacher-forced tokens each")

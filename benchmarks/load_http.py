@@ -26,7 +26,9 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serving import percentile, poisson_arrivals, synthesize
+from serving import percentile, poisson_arrivals, synthesize  # and the repo's root on the path
+
+from bench import arch_path, archs  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -135,7 +137,10 @@ def rss_mib(pid: int | None) -> float:
 def start_server(spec: str, api_key: str | None) -> tuple[subprocess.Popen, str]:
     """`python -m nanovllm.serve SPEC --port 0` and its address, once it listens."""
     key = ["--api-key", api_key] if api_key else []
-    proc = subprocess.Popen([sys.executable, "-m", "nanovllm.serve", *shlex.split(spec),
+    model, *flags = shlex.split(spec)
+    if not os.path.isdir(os.path.join(ROOT, model)) and model in archs():
+        model = arch_path(model)  # an architecture of benchmarks/archs.json: --load-format dummy
+    proc = subprocess.Popen([sys.executable, "-m", "nanovllm.serve", model, *flags,
                              "--port", "0", "--log-level", "warning", *key],
                             stdout=subprocess.PIPE, text=True, cwd=ROOT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})

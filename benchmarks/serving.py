@@ -28,10 +28,10 @@ import time
 import numpy as np
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH
+from bench import arch_path  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.core.sequence import num_blocks_for  # noqa: E402
 
-ARCHS = os.path.dirname(os.path.abspath(__file__))
 TRACES = {  # (mean, sigma of the log) of prompt and output lengths
     "sharegpt": ((161.31, 1.0), (337.99, 0.9)),
     "alpaca": ((19.31, 0.5), (58.45, 0.6)),
@@ -263,7 +263,7 @@ def make_llm(args, **options) -> LLM:
     defaults = dict(load_format="dummy", skip_tokenizer_init=True, attn_backend=args.attn_backend,
                     num_kvcache_blocks=args.num_kvcache_blocks or -1,
                     enforce_eager=args.enforce_eager, log_stats=True)
-    return LLM(os.path.join(ARCHS, args.arch), **{**defaults, **options})
+    return LLM(arch_path(args.arch), **{**defaults, **options})
 
 
 def engine_options(args, mode: str) -> dict:
@@ -294,7 +294,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-requests", type=int, default=500)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attn-backend", default="triton", choices=["flash", "triton", "sdpa"])
-    p.add_argument("--arch", default="Qwen3-0.6B")
+    p.add_argument("--arch", default="Qwen3-0.6B", help="random weights of benchmarks/archs.json's")
     p.add_argument("--num-kvcache-blocks", type=int, default=0, help="0: as much as fits")
     p.add_argument("--block-size", type=int, default=0, help="KV block size (0: the engine's)")
     p.add_argument("--max-model-len", type=int, default=0, help="0: the engine's default")

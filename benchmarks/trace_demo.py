@@ -1,7 +1,8 @@
 """Watch the paged KV cache work: trace a small scripted run and draw it as a page
 (nanovllm/trace.py, nanovllm/viz). A tiny random Qwen3 on the CPU, a few seconds.
 
-    python benchmarks/trace_demo.py                    # writes trace_demo.json and trace_demo.html
+    python benchmarks/trace_demo.py                    # trace_demo.json, .html in a temporary dir
+    python benchmarks/trace_demo.py --out DIR          # ... in DIR (not the repository's root)
     python benchmarks/trace_demo.py --swap             # preempt by swapping to the CPU pool instead
     python benchmarks/trace_demo.py --screenshots DIR  # also PNGs of key steps (headless Chromium)
 
@@ -18,10 +19,11 @@ import sys
 import tempfile
 import time
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __package__ in (None, ""):  # run as a script: the repository's nanovllm, not an installed one
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, REPO)
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, SamplingParams  # noqa: E402
 
 # a small cache of small blocks, so that the grid is readable and the last part runs out of it
 DEMO_OPTIONS = {"kvcache_block_size": 8, "num_kvcache_blocks": 48, "max_num_seqs": 8,
@@ -62,25 +64,40 @@ def run_workload(llm: LLM):
     llm.generate([prompt(rng.randint(20, 40)) for _ in range(6)], greedy(40), use_tqdm=False)
 
 
+def output_dir(out: str) -> str:
+    """The directory the demo writes into: `out` (created if need be), or a new temporary one;
+    never the repository's root."""
+    if not out:
+        return tempfile.mkdtemp(prefix="trace_demo-")
+    if os.path.realpath(out) == os.path.realpath(REPO):
+        raise ValueError(f"--out {out!r} is the repository's root: give another directory")
+    os.makedirs(out, exist_ok=True)
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="trace_demo", help="writes OUT.json and OUT.html")
+    parser.add_argument("--out", metavar="DIR", default="",
+                        help="writes DIR/trace_demo.json and .html (default: a new temporary dir)")
     parser.add_argument("--swap", action="store_true",
                         help="preempt by swapping blocks to the CPU pool")
     parser.add_argument("--screenshots", metavar="DIR",
                         help="PNGs of key steps, taken in headless Chromium")
     args = parser.parse_args()
+    out = output_dir(args.out)
+    json_path = os.path.join(out, "trace_demo.json")
+    html_path = os.path.join(out, "trace_demo.html")
     import torch
     torch.set_num_threads(1)  # a tiny model: one thread beats several that spin-wait
     with tempfile.TemporaryDirectory() as model_dir:
         options = {**DEMO_OPTIONS, **(SWAP_OPTIONS if args.swap else {})}
         llm = LLM(tiny_qwen3(model_dir), **options)
         start = time.perf_counter()
-        with llm.trace(args.out + ".json") as trace:
+        with llm.trace(json_path) as trace:
             run_workload(llm)
         seconds = time.perf_counter() - start
     from nanovllm.viz import write_page
-    write_page(args.out + ".json", args.out + ".html")
+    write_page(json_path, html_path)
     steps = trace.data["steps"]
     kinds = {}
     for entry in steps:
@@ -88,11 +105,11 @@ def main():
             kinds[event[0]] = kinds.get(event[0], 0) + 1
     print(f"{len(steps)} steps traced in {seconds:.1f} s: "
           + ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())))
-    print(f"wrote {args.out}.json and {args.out}.html (open it in a browser)")
+    print(f"wrote {json_path} and {html_path} (open it in a browser)")
     if args.screenshots:
         # the repository's tests drive Chromium through selenium
         from tests.browser import take_screenshots
-        for path in take_screenshots(args.out + ".html", trace.data, args.screenshots):
+        for path in take_screenshots(html_path, trace.data, args.screenshots):
             print("wrote", path)
 
 

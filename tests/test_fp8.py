@@ -6,7 +6,6 @@ cache. Engine: the sdpa and triton backends agree on an FP8 cache, block copies 
 intact, and on real SmolLM2 weights the FP8 cache's teacher-forced logits stay close to the float32
 cache's (the agreement is printed; run with -s to see it).
 """
-import os
 import random
 from types import SimpleNamespace
 
@@ -35,7 +34,6 @@ from tests.test_triton_kernels import (
     tiles_of,
 )
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # keys ~ N(0, 9) are stored up to ~240; values ~ N(0, 1) down into e4m3's subnormals
 K_SCALE, V_SCALE = 0.05, 4.0
 
@@ -91,56 +89,6 @@ def test_decode_reads_an_fp8_cache(num_heads, num_kv_heads, head_dim, num_splits
             tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
             assert rel_err(out[row:row + 1], ref) < tol, f"row {i} (context {n})"
     assert out[-3:].isnan().all()
-
-
-def test_the_transposed_v_benchmark_attends():
-    """benchmarks/fp8_vt_decode.py's kernel (V stored [block, KV head, dim, slot]) against float64
-    over the dequantized cache. It loads the slots past a row's end too and zeroes them: a GPU
-    widens their NaN poison to NaN, which this catches; Triton's interpreter widens e4m3's NaN
-    (0x7f) to 480, which a zero weight cancels, so on CPU it cannot."""
-    import sys
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    from fp8_vt_decode import transposed, vt_decode
-    context_lens = [1, 15, 16, 17, 33, 0, 100]
-    lens = [max(n, 1) for n in context_lens]
-    k8, v8, k_ref, v_ref, tables = fp8_paged_cache(lens, 2, 64, 16)
-    q_lens = [1 if n else 0 for n in context_lens]
-    q = torch.randn(sum(q_lens), 4, 64, device=DEVICE)
-    cu = cu_seqlens(q_lens, DEVICE)
-    out = vt_decode(q, k8, transposed(v8), cu, torch.tensor(context_lens, dtype=torch.int32,
-                                                              device=DEVICE),
-                    tables, 0.125, K_SCALE, V_SCALE, block_n=16)  # tl.dot takes >= 16 on a GPU
-    for i, n in enumerate(context_lens):
-        if n:
-            row = int(cu[i])
-            ref = ref_attention(q[row:row + 1], k_ref, v_ref, tables[i], n, 0.125)
-            assert rel_err(out[row:row + 1], ref) < FP32_TOL, f"row {i} (context {n})"
-
-
-@pytest.mark.parametrize("kind,tol", [("k8", 0.2), ("k8x2", BF16_TOL), ("p8", 0.2),
-                                      ("tail", BF16_TOL)])
-def test_the_sweeps_fp8_tensor_core_variants_attend(kind, tol):
-    """benchmarks/fp8_kernel_variants.py's decode variants that run q @ K^T or p @ V on FP8 tensor
-    cores, or read a half tile at the end (the README's finding that they are no faster rests on
-    them computing attention): q quantized to e4m3 per row (k8: about 10% error on these sharp
-    scores), or as two e4m3 parts (k8x2, about bfloat16's precision); p in e4m3 (p8, whose cast
-    the interpreter truncates); the engine's FP8 config with a half-tile tail (tail: rows of 1,
-    17 and 40 keys end in one, 100 does not)."""
-    import sys
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    import fp8_kernel_variants as sweep
-    module = {"k8": sweep.DECODE_K8, "k8x2": sweep.DECODE_K8X2, "p8": sweep.DECODE_P8,
-              "tail": sweep.DECODE_TAIL}[kind]
-    context_lens = [1, 17, 100, 40]
-    k8, v8, k_ref, v_ref, tables = fp8_paged_cache(context_lens, 8, 128, 16)
-    q = torch.randn(len(context_lens), 16, 128, device=DEVICE).to(torch.bfloat16)
-    cu, scale = cu_seqlens([1] * len(context_lens), DEVICE), 128 ** -0.5
-    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
-    out = module.decode_attention(q, k8, v8, cu, lens, tables, scale, k_scale=K_SCALE,
-                                  v_scale=V_SCALE)
-    for i, n in enumerate(context_lens):
-        ref = ref_attention(q[i:i + 1], k_ref, v_ref, tables[i], n, scale)
-        assert rel_err(out[i:i + 1], ref) < tol, f"row {i} (context {n})"
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 64), (3, 1, 128)])

@@ -652,7 +652,8 @@ def test_config_with_broken_json(tiny_path, tmp_path):
 
 def test_float_block_size(tiny_path):
     """Before: kvcache_block_size=16.0 -> TypeError: unsupported operand type(s) for &."""
-    with pytest.raises(TypeError, match=r"^kvcache_block_size=16.0 must be a power of two \(an int"):
+    with pytest.raises(TypeError,
+                       match=r"^kvcache_block_size=16.0 must be a power of two \(an int"):
         make_llm(tiny_path, kvcache_block_size=16.0)
 
 
@@ -696,8 +697,13 @@ def test_cpu_bench_repeats_each_configuration():
                             timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.strip().splitlines()
-    table = lines[lines.index("|---|---|---|---|") + 1:-2]
+    header = lines.index("| backend | output tokens | seconds | tokens/s | build s |")
+    assert lines[header + 1] == "|---|---|---|---|---|"
+    table = lines[header + 2:-2]  # the header first, each row once (they were printed twice)
+    assert [line for line in lines if line.startswith("| sdpa")] == table, lines
     assert len(table) == 2 and all(row.startswith("| sdpa | 8 |") for row in table), lines
     rates = [float(row.split("|")[4].replace(",", "")) for row in table]
+    assert all(float(row.split("|")[5]) > 0 for row in table)  # seconds for LLM(...)
     median = float(lines[-1].split("sdpa ")[1].split(" ")[0].replace(",", ""))
-    assert lines[-1].startswith("median of 2 runs") and median == pytest.approx(sum(rates) / 2, abs=1)
+    assert lines[-1].startswith("median of 2 runs")
+    assert median == pytest.approx(sum(rates) / 2, abs=1)

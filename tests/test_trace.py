@@ -2,6 +2,7 @@
 step, and its events are the engine's (copies, forks, prefix hits, evictions, preemptions,
 swaps)."""
 import json
+import os
 
 import pytest
 
@@ -85,7 +86,8 @@ def test_block_events_agree_with_the_engine_state(traced, mode):
         for kind, block, seq, _ in entry["events"]:
             if kind in ("alloc", "cow", "swap_in"):  # taken fresh: cached only if the step fills it
                 assert truth["ref_counts"][block] >= 1
-                assert block not in truth["cached"] or ["cached", block, None, None] in entry["events"]
+                assert (block not in truth["cached"]
+                        or ["cached", block, None, None] in entry["events"])
             if kind in ("alloc", "cow", "hit", "share"):
                 assert block in truth["tables"][str(seq)]
             if kind == "hit":  # cached before, or by the step that computes it (scheduled first)
@@ -221,16 +223,27 @@ def test_the_demo_writes_a_trace_and_its_page(tmp_path, monkeypatch, capsys):
     from benchmarks import trace_demo
     monkeypatch.setattr("sys.argv", ["trace_demo.py", "--out", str(tmp_path / "demo")])
     trace_demo.main()
-    data = json.loads((tmp_path / "demo.json").read_text())
+    data = json.loads((tmp_path / "demo" / "trace_demo.json").read_text())
     kinds = {e[0] for entry in all_entries(data) for e in entry["events"]}
     assert {"hit", "fork", "cow", "preempt"} <= kinds  # what the demo is there to show
     assert any(info["beam"] for info in data["seqs"].values())
-    page = (tmp_path / "demo.html").read_text()
+    page = (tmp_path / "demo" / "trace_demo.html").read_text()
     assert page.startswith("<!DOCTYPE html>") and json.loads(
         page.split(MARKER_START)[1].split("</script>")[0]) == data
     for fetch in ("http", "src=", "<link", "import(", "fetch("):  # no network: nothing to fetch
         assert fetch not in page
     assert f"{len(data['steps'])} steps traced" in capsys.readouterr().out
+
+
+def test_the_demo_writes_nothing_into_the_repository(tmp_path, monkeypatch):
+    """Without --out the demo writes into a new temporary directory; the repository's root is
+    refused as --out (it once wrote trace_demo.json and .html there, from the working directory)."""
+    from benchmarks import trace_demo
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    made = trace_demo.output_dir("")
+    assert os.path.dirname(made) == str(tmp_path) and os.listdir(made) == []
+    with pytest.raises(ValueError, match="--out .* is the repository's root"):
+        trace_demo.output_dir(trace_demo.REPO)
 
 
 def test_a_step_that_fails_to_launch_is_not_recorded(tiny_path, tmp_path):

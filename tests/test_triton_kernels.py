@@ -1,5 +1,5 @@
-"""Triton kernels (rotary + store, prefill, split-KV decode) and the triton backend against references: float64
-attention, and the plain PyTorch rotary and store the model runs on CPU.
+"""Triton kernels (rotary + store, prefill, split-KV decode) and the triton backend against
+references: float64 attention, and the plain PyTorch rotary and store the model runs on CPU.
 
 The reference gathers each sequence's keys through its block table in plain PyTorch and runs a
 causal softmax in float64. Caches start poisoned with NaN (unused blocks, the tail of a sequence's
@@ -18,7 +18,8 @@ if not torch.cuda.is_available():
 import triton.language as tl  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-if not torch.cuda.is_available() and isinstance(tl.max, JITFunction):  # triton was imported first, compiled mode
+# triton imported earlier, in compiled mode
+if not torch.cuda.is_available() and isinstance(tl.max, JITFunction):
     pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (by a conftest?): run with "
                 "TRITON_INTERPRET=1 in the environment", allow_module_level=True)
 
@@ -26,15 +27,22 @@ from nanovllm.attention import AttentionMetadata  # noqa: E402
 from nanovllm.kernels.prefill import QUERY_TILE, query_tiles  # noqa: E402
 from nanovllm.attention.paged_attention import store_kv  # noqa: E402
 from nanovllm.attention.triton import TritonBackend  # noqa: E402
-from nanovllm.kernels import decode_attention, num_decode_splits, prefill_attention, rope_store  # noqa: E402
+from nanovllm.kernels import (  # noqa: E402
+    decode_attention,
+    num_decode_splits,
+    prefill_attention,
+    rope_store,
+)
 from nanovllm.kernels.decode import MAX_SPLITS  # noqa: E402
 from nanovllm.layers.rotary import RotaryEmbedding, norm_rope  # noqa: E402
 
 HEAD_DIMS = [64, 128]
-HEAD_RATIOS = [(2, 2), (4, 2), (3, 1), (4, 1), (8, 1)]  # (query heads, KV heads): groups of 1, 2, 3, 4, 8
+# (query heads, KV heads): groups of 1, 2, 3, 4, 8
+HEAD_RATIOS = [(2, 2), (4, 2), (3, 1), (4, 1), (8, 1)]
 BLOCK_SIZES = [16, 32, 256]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FP32_TOL = 1e-4 if DEVICE == "cpu" else 3e-3  # the interpreter's dots are exact float32; a GPU's are tf32
+# the interpreter's dots are exact float32; a GPU's are tf32
+FP32_TOL = 1e-4 if DEVICE == "cpu" else 3e-3
 BF16_TOL = 1e-2
 
 
@@ -43,7 +51,7 @@ BF16_TOL = 1e-2
 @pytest.fixture(autouse=True)
 def default_device():
     """Tensors on the GPU where there is one (compiled kernels), else on the CPU (interpreter)."""
-    if DEVICE == "cpu":  # the default already; the device mode would slow the interpreter's torch calls
+    if DEVICE == "cpu":  # the default; the device mode would slow the interpreter's torch calls
         yield
         return
     with torch.device(DEVICE):
@@ -64,7 +72,8 @@ def gather_keys(cache: torch.Tensor, block_table: torch.Tensor, k_len: int) -> t
 
 
 def ref_attention(q, k_cache, v_cache, block_table, k_len, scale):
-    """Causal attention of q [q_len, Hq, D], the last q_len positions of a k_len-key sequence, in float64."""
+    """Causal attention of q [q_len, Hq, D], the last q_len positions of a k_len-key sequence, in
+    float64."""
     q_len, num_heads, _ = q.shape
     k = gather_keys(k_cache, block_table, k_len)
     v = gather_keys(v_cache, block_table, k_len)
@@ -78,7 +87,8 @@ def ref_attention(q, k_cache, v_cache, block_table, k_len, scale):
 
 
 def make_paged_cache(k_lens, num_kv_heads, head_dim, block_size, dtype, device, spare_blocks=3):
-    """A NaN-poisoned pool, shuffled block tables padded with NaN blocks, and random keys in the used slots."""
+    """A NaN-poisoned pool, shuffled block tables padded with NaN blocks, and random keys in the
+    used slots."""
     blocks_per_seq = [-(-n // block_size) for n in k_lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -104,9 +114,11 @@ def cu_seqlens(lens, device):
 
 
 def ragged_lengths(block_size):
-    """(q_len, k_len) pairs: length 1, block boundaries +-1, prefix hits and chunks (q_len < k_len)."""
+    """(q_len, k_len) pairs: length 1, block boundaries +-1, prefix hits and chunks
+    (q_len < k_len)."""
     b = block_size
-    return [(1, 1), (b - 1, b - 1), (b + 1, b + 1), (3, b + 2), (1, 2 * b + 1), (b, 2 * b), (40, 40 + b - 1)]
+    return [(1, 1), (b - 1, b - 1), (b + 1, b + 1), (3, b + 2), (1, 2 * b + 1), (b, 2 * b),
+            (40, 40 + b - 1)]
 
 
 # ---------- rope_store ----------
@@ -114,24 +126,28 @@ def ragged_lengths(block_size):
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(2, 1, 64), (6, 3, 64), (4, 2, 128)])
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_rope_store_matches_the_plain_rotary_and_store(num_heads, num_kv_heads, head_dim, qk_norm):
-    """Queries out, rotated keys and values in their slots (nothing written for slot -1), as the CPU path does."""
+    """Queries out, rotated keys and values in their slots (nothing written for slot -1), as the
+    CPU path does."""
     num_blocks, block_size, num_tokens = 4, 16, 37
     qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim) * 3
     positions = torch.randint(0, 500, (num_tokens,), dtype=torch.int32)
     cos_sin = RotaryEmbedding(head_dim, 512, 10000.0).cos_sin
-    weights = (torch.rand(head_dim) + 0.5, torch.rand(head_dim) + 0.5, 1e-6) if qk_norm else (None, None, 0.0)
+    weights = ((torch.rand(head_dim) + 0.5, torch.rand(head_dim) + 0.5, 1e-6) if qk_norm
+               else (None, None, 0.0))
     slots = torch.randperm(num_blocks * block_size)[:num_tokens].to(torch.int32)
     slots[::5] = -1  # padding tokens: must not be written anywhere
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache, v_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
     q = rope_store(qkv, positions, cos_sin, num_heads, k_cache, v_cache, slots, *weights)
-    ref_q, ref_k = norm_rope(qkv[:, :num_heads + num_kv_heads], positions, cos_sin, num_heads, *weights).split(
-        [num_heads, num_kv_heads], dim=1)
+    ref_q, ref_k = norm_rope(qkv[:, :num_heads + num_kv_heads], positions, cos_sin, num_heads,
+                             *weights).split([num_heads, num_kv_heads], dim=1)
     ref_k_cache, ref_v_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
     store_kv(ref_k, qkv[:, num_heads + num_kv_heads:], ref_k_cache, ref_v_cache, slots)
     assert torch.allclose(q, ref_q, atol=1e-5, rtol=1e-5)
-    assert torch.allclose(k_cache, ref_k_cache, atol=1e-5, rtol=1e-5, equal_nan=True)  # NaN exactly where unwritten
-    assert torch.equal(v_cache.isnan(), ref_v_cache.isnan()) and torch.equal(v_cache.nan_to_num(), ref_v_cache.nan_to_num())
+    # NaN exactly where unwritten
+    assert torch.allclose(k_cache, ref_k_cache, atol=1e-5, rtol=1e-5, equal_nan=True)
+    assert torch.equal(v_cache.isnan(), ref_v_cache.isnan())
+    assert torch.equal(v_cache.nan_to_num(), ref_v_cache.nan_to_num())
 
 
 # ---------- prefill ----------
@@ -165,7 +181,8 @@ def check_prefill(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, de
 def test_prefill_attention(head_dim, num_heads, num_kv_heads, block_size):
     lens = ragged_lengths(block_size)
     random.shuffle(lens)
-    check_prefill(lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, DEVICE, FP32_TOL)
+    check_prefill(lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, DEVICE,
+                  FP32_TOL)
 
 
 def test_prefill_several_query_tiles():
@@ -185,26 +202,27 @@ def test_prefill_skips_unused_tiles():
     q = torch.randn(20, 2, 64)
     out = torch.full_like(q, float("nan"))
     tiles = torch.tensor([[0, 0], [-1, -1], [-1, -1]], dtype=torch.int32)
-    prefill_attention(q, k_cache, v_cache, cu_seqlens([20], DEVICE), torch.tensor([20], dtype=torch.int32),
-                      tables, tiles, QUERY_TILE, 0.125, out)
+    prefill_attention(q, k_cache, v_cache, cu_seqlens([20], DEVICE),
+                      torch.tensor([20], dtype=torch.int32), tables, tiles, QUERY_TILE, 0.125, out)
     assert rel_err(out, ref_attention(q, k_cache, v_cache, tables[0], 20, 0.125)) < FP32_TOL
 
 
 # ---------- decode ----------
 
-def check_decode(context_lens, num_heads, num_kv_heads, head_dim, block_size, num_splits, dtype, device, tol,
-                 decode_attention=decode_attention):
-    """Decode rows (one query token) among rows the kernel must leave alone: context 0 is a CUDA graph's
-    padding sequence (no query token), and one sequence carries a 3-token prefill chunk."""
+def check_decode(context_lens, num_heads, num_kv_heads, head_dim, block_size, num_splits, dtype,
+                 device, tol):
+    """Decode rows (one query token) among rows the kernel must leave alone: context 0 is a CUDA
+    graph's padding sequence (no query token), and one sequence carries a 3-token prefill chunk."""
     lens = [max(n, 1) for n in context_lens] + [40]
-    k_cache, v_cache, block_tables = make_paged_cache(lens, num_kv_heads, head_dim, block_size, dtype, device)
+    k_cache, v_cache, block_tables = make_paged_cache(lens, num_kv_heads, head_dim, block_size,
+                                                      dtype, device)
     q_lens = [1 if n else 0 for n in context_lens] + [3]
     q = torch.randn(sum(q_lens), num_heads, head_dim, dtype=dtype, device=device)
     scale = head_dim ** -0.5
     cu = cu_seqlens(q_lens, device)
     out = torch.full_like(q, float("nan"))
-    decode_attention(q, k_cache, v_cache, cu, torch.tensor(context_lens + [40], dtype=torch.int32, device=device),
-                     block_tables, scale, num_splits, out=out)
+    k_lens = torch.tensor(context_lens + [40], dtype=torch.int32, device=device)
+    decode_attention(q, k_cache, v_cache, cu, k_lens, block_tables, scale, num_splits, out=out)
     for i, n in enumerate(context_lens):
         if n:
             row = int(cu[i])
@@ -221,59 +239,49 @@ def test_decode_attention(head_dim, num_heads, num_kv_heads, block_size):
     b = block_size
     context_lens = [1, b - 1, b, b + 1, 2 * b + 1, 0, 300]
     random.shuffle(context_lens)
-    check_decode(context_lens, num_heads, num_kv_heads, head_dim, block_size, 3, torch.float32, DEVICE, FP32_TOL)
+    check_decode(context_lens, num_heads, num_kv_heads, head_dim, block_size, 3, torch.float32,
+                 DEVICE, FP32_TOL)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 7, MAX_SPLITS])
 def test_decode_split_counts(num_splits):
-    """One split (direct write), a few, and more splits than a short context has tiles (empty splits)."""
+    """One split (direct write), a few, and more splits than a short context has tiles (empty
+    splits)."""
     check_decode([0, 1, 17, 129, 700], 8, 2, 64, 32, num_splits, torch.float32, DEVICE, FP32_TOL)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,num_splits,kv_heads",
-                         [(8, 2, 1, None), (6, 2, 3, 1), (4, 4, 2, 2), (8, 4, 1, 2)])
-def test_the_packed_decode_benchmark_attends(num_heads, num_kv_heads, num_splits, kv_heads):
-    """benchmarks/packed_decode.py's kernel (kv_heads KV heads of a row in one program, None: all;
-    6 heads pad to 16 rows) against float64, rows it must leave alone untouched."""
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
-    from packed_decode import packed_decode
-
-    def packed(*args, **kwargs):
-        return packed_decode(*args, **kwargs, block_n=16, kv_heads=kv_heads)  # a GPU dot: >= 16
-    check_decode([0, 1, 17, 129, 70], num_heads, num_kv_heads, 32, 16, num_splits, torch.float32, DEVICE,
-                 FP32_TOL, packed)
-
-
 def test_num_decode_splits_is_static_and_bounded():
-    assert num_decode_splits(1, 8, 128, 8192, 132) == MAX_SPLITS   # 8 programs: split as far as allowed
-    assert num_decode_splits(8, 8, 128, 4096, 132) == 9            # 64 * 9 programs ~ 4 per SM
-    assert num_decode_splits(64, 3, 64, 4096, 132) == 3            # 192 programs: still worth splitting
-    assert num_decode_splits(64, 8, 128, 4096, 132) == 1           # 512 programs fill the GPU on their own
-    assert num_decode_splits(1, 8, 128, 100, 132) == 2             # no split shorter than a 64-key tile
+    assert num_decode_splits(1, 8, 128, 8192, 132) == MAX_SPLITS  # 8 programs: split fully
+    assert num_decode_splits(8, 8, 128, 4096, 132) == 9  # 64 * 9 programs ~ 4 per SM
+    assert num_decode_splits(64, 3, 64, 4096, 132) == 3  # 192 programs: still worth splitting
+    assert num_decode_splits(64, 8, 128, 4096, 132) == 1  # 512 programs fill the GPU alone
+    assert num_decode_splits(1, 8, 128, 100, 132) == 2  # no split shorter than a 64-key tile
 
 
 # ---------- backend end to end ----------
 
 def test_triton_backend_mixed_steps():
-    """One kind of step: decodes and prefill chunks in one batch (a fresh prompt, a chunk after a cached
-    prefix, a one-token prompt), then decode steps; each padded as a CUDA graph pads it (padding tokens
-    with slot -1, padding sequences with no tokens, unused tiles)."""
+    """One kind of step: decodes and prefill chunks in one batch (a fresh prompt, a chunk after a
+    cached prefix, a one-token prompt), then decode steps; each padded as a CUDA graph pads it
+    (padding tokens with slot -1, padding sequences with no tokens, unused tiles)."""
     block_size, num_heads, num_kv_heads, head_dim = 16, 6, 2, 64
-    config = SimpleNamespace(max_num_seqs=8, max_model_len=256, kvcache_block_size=block_size, device=DEVICE,
-                             disable_cascade_attn=True)
+    config = SimpleNamespace(max_num_seqs=8, max_model_len=256, kvcache_block_size=block_size,
+                             device=DEVICE, disable_cascade_attn=True)
     backend = TritonBackend(num_heads, num_kv_heads, head_dim, config)
     shape = (32, block_size, num_kv_heads, head_dim)
     k_cache, v_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
-    block_tables = torch.randperm(32)[:24].view(4, 6).to(torch.int32)  # 6 blocks of 16 keys per sequence
-    prior = [7, 0, 20, 0]  # keys already cached: sequence 0 decodes, sequence 2 hit a 20-token prefix
+    # 6 blocks of 16 keys per sequence
+    block_tables = torch.randperm(32)[:24].view(4, 6).to(torch.int32)
+    prior = [7, 0, 20, 0]  # keys cached: sequence 0 decodes, sequence 2 hit a 20-token prefix
     history = [[torch.randn(n, num_kv_heads, head_dim) for n in prior] for _ in "kv"]
     for i in range(4):  # what earlier steps stored
-        store_kv(history[0][i], history[1][i], k_cache, v_cache, slot_of(block_tables[i], torch.arange(prior[i]), block_size))
+        store_kv(history[0][i], history[1][i], k_cache, v_cache,
+                 slot_of(block_tables[i], torch.arange(prior[i]), block_size))
 
     def step(q_lens, pad_tokens=0, pad_seqs=0, pad_tiles=0):
         new = [[torch.randn(n, num_kv_heads, head_dim) for n in q_lens] for _ in "kv"]
-        slots = [slot_of(block_tables[i], torch.arange(prior[i], prior[i] + n), block_size) for i, n in enumerate(q_lens)]
+        slots = [slot_of(block_tables[i], torch.arange(prior[i], prior[i] + n), block_size)
+                 for i, n in enumerate(q_lens)]
         k_lens = [p + n for p, n in zip(prior, q_lens)]
         num_decodes = sum(1 for n in q_lens if n == 1)
         cu = [0] + torch.tensor(q_lens).cumsum(0).tolist()
@@ -286,16 +294,19 @@ def test_triton_backend_mixed_steps():
             context_lens=torch.tensor(k_lens + [0] * pad_seqs, dtype=torch.int32),
             block_tables=torch.cat([block_tables, torch.zeros(pad_seqs, 6, dtype=torch.int32)]),
             query_tiles=torch.tensor(tiles, dtype=torch.int32).view(-1, 2),
-            num_decodes=num_decodes + pad_seqs if pad_seqs else num_decodes,  # a graph runs every row
+            # a graph runs every row
+            num_decodes=num_decodes + pad_seqs if pad_seqs else num_decodes,
             cu_seqlens_q_host=cu, context_lens_host=k_lens)
         pad = [torch.randn(pad_tokens, num_kv_heads, head_dim)]
-        store_kv(torch.cat(new[0] + pad), torch.cat(new[1] + pad), k_cache, v_cache, meta.slot_mapping)
+        store_kv(torch.cat(new[0] + pad), torch.cat(new[1] + pad), k_cache, v_cache,
+                 meta.slot_mapping)
         q = torch.randn(sum(q_lens) + pad_tokens, num_heads, head_dim)
         out = backend.forward(q, k_cache, v_cache, meta)
         for i, n in enumerate(q_lens):
             history[0][i] = torch.cat([history[0][i], new[0][i]])
             history[1][i] = torch.cat([history[1][i], new[1][i]])
-            ref = ref_attention(q[cu[i]:cu[i + 1]], k_cache, v_cache, block_tables[i], k_lens[i], backend.scale)
+            ref = ref_attention(q[cu[i]:cu[i + 1]], k_cache, v_cache, block_tables[i], k_lens[i],
+                                backend.scale)
             assert rel_err(out[cu[i]:cu[i + 1]], ref) < FP32_TOL, f"sequence {i}"
             prior[i] = k_lens[i]
 
@@ -309,18 +320,22 @@ def test_triton_backend_mixed_steps():
 
 def slot_of(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """Flat cache slot of each token position of a sequence."""
-    return (block_table.long()[positions // block_size] * block_size + positions % block_size).to(torch.int32)
+    slots = block_table.long()[positions // block_size] * block_size + positions % block_size
+    return slots.to(torch.int32)
 
 
 # ---------- larger shapes in bfloat16 on the GPU ----------
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(128, 16, 8), (64, 9, 3), (128, 32, 4)])
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads",
+                         [(128, 16, 8), (64, 9, 3), (128, 32, 4)])
 @pytest.mark.parametrize("block_size", [16, 64, 256])
 def test_gpu_bf16_large(head_dim, num_heads, num_kv_heads, block_size):
     prefill_lens = [(1000, 1000), (513, 2048), (1, 300), (2048, 2048), (255, 257)]
-    check_prefill(prefill_lens, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, "cuda", BF16_TOL)
+    check_prefill(prefill_lens, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16,
+                  "cuda", BF16_TOL)
     context_lens = [0, 1, 255, 256, 257, 1000, 4097, 8192] * 4
-    for num_splits in (1, 5, num_decode_splits(len(context_lens) + 1, num_kv_heads, head_dim, 8192, 132)):
+    most = num_decode_splits(len(context_lens) + 1, num_kv_heads, head_dim, 8192, 132)
+    for num_splits in (1, 5, most):
         check_decode(context_lens, num_heads, num_kv_heads, head_dim, block_size, num_splits,
                      torch.bfloat16, "cuda", BF16_TOL)
