@@ -13,6 +13,14 @@ from tests.helpers import build_random_checkpoint, make_llm  # noqa: E402
 torch.set_num_threads(int(os.environ.get("NANOVLLM_TEST_THREADS", "1")))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` skip without CUDA."""
+    if not torch.cuda.is_available():
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+
+
 @pytest.fixture(scope="session")
 def random_checkpoint(tmp_path_factory):
     """random_checkpoint(name) -> (model dir, HF model) of tests.helpers.RANDOM_MODELS[name], built once."""

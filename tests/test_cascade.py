@@ -22,6 +22,8 @@ from tests.helpers import make_llm, random_prompts, token_ids  # noqa: E402
 from tests.test_triton_kernels import (  # noqa: E402
     DEVICE, FP32_TOL, cu_seqlens, make_paged_cache, ref_attention, rel_err)
 
+pytestmark = pytest.mark.slow  # the quick subset, -m "not slow", leaves it out
+
 # ---------- the plan ----------
 
 
@@ -320,7 +322,7 @@ def test_beam_search_equals_plain(triton_llms):
         assert [s for _, s in on] == pytest.approx([s for _, s in off], rel=1e-3, abs=1e-4)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: a GPU's")
+@pytest.mark.gpu
 def test_twins_are_captured_at_start_and_a_step_past_their_room_runs_plain(tiny_path):
     """Every decode graph of 2 rows or more has its cascade twin from the start, with room for a
     quarter as many tiles as rows: 8 rows that are one prompt's 8 samples (1 tile) run cascade; 4

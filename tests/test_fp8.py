@@ -34,6 +34,8 @@ from tests.test_triton_kernels import (
     tiles_of,
 )
 
+pytestmark = pytest.mark.slow  # the quick subset, -m "not slow", leaves it out
+
 # keys ~ N(0, 9) are stored up to ~240; values ~ N(0, 1) down into e4m3's subnormals
 K_SCALE, V_SCALE = 0.05, 4.0
 
@@ -206,7 +208,7 @@ def test_sdpa_and_triton_agree_on_an_fp8_cache(tiny_path, tiny_fp8):
     assert err < 1e-4
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_fp8_on_the_gpu_triton_with_cuda_graphs_matches_sdpa(tiny_path):
     """On a GPU the store kernel writes the FP8 cache for both backends; triton's kernels, replayed
     in CUDA graphs, read it as sdpa's gather does (float32 model; triton's dots take tf32)."""

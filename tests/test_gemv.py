@@ -21,6 +21,8 @@ from nanovllm.kernels.gemv import MAX_ROWS  # noqa: E402
 from nanovllm.layers import fused_decode  # noqa: E402
 from tests.helpers import make_llm, random_prompts, token_ids  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the quick subset, -m "not slow", leaves it out
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 N, K, EPS = 40, 48, 1e-6  # not powers of two: the masks are exercised
 SMALL_TILES = dict(BLOCK_N=16, BLOCK_K=16, num_warps=4)  # several programs, several K tiles

@@ -14,7 +14,7 @@ import torch
 from nanovllm import LLM, SamplingParams
 from tests.teacher_forcing import engine_logits, hf_logits, rel_error
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu
 BACKENDS = ["triton", "sdpa"] + (["flash"] if importlib.util.find_spec("flash_attn") else [])
 
 

@@ -14,6 +14,8 @@ import torch
 from tests.helpers import (FRANCE, FRANCE_ANSWER, GREEDY, RANDOM_MODELS, chat, hf_greedy, make_llm, random_prompts,
                            until_eos)
 
+pytestmark = pytest.mark.slow  # the quick subset, -m "not slow", leaves it out
+
 MAX_NEW = GREEDY.max_tokens
 
 STORY = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He wound the clockwork, "

@@ -10,6 +10,8 @@ import pytest
 from nanovllm import SamplingParams
 from tests.helpers import make_llm, random_prompts
 
+pytestmark = pytest.mark.slow  # the quick subset, -m "not slow", leaves it out
+
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 

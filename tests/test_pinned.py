@@ -26,7 +26,7 @@ def test_host_tensor_refuses_what_int32_cannot_hold():
         host_tensor([2**31], torch.int32, pin=False)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+@pytest.mark.gpu
 def test_host_tensor_pinned():
     out = host_tensor([1, 2], torch.int32, pin=True)
     assert out.is_pinned() and out.tolist() == [1, 2]

@@ -7,6 +7,8 @@ import torch
 from nanovllm import LLM
 from tests.teacher_forcing import engine_logits, hf_logits, rel_error
 
+pytestmark = pytest.mark.slow  # the quick subset, -m "not slow", leaves it out
+
 
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory):

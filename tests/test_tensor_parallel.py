@@ -15,6 +15,8 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.layers.linear import Linear
 from nanovllm.layers.tensor_parallel import ColumnParallel
 
+pytestmark = pytest.mark.slow  # the quick subset, -m "not slow", leaves it out
+
 OPTIONS = dict(skip_tokenizer_init=True, device="cpu", attn_backend="sdpa", kvcache_block_size=16,
                num_kvcache_blocks=64, max_num_batched_tokens=32)  # the 40-token prompt is prefilled in two chunks
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 50)), [7] * 20, list(range(10, 26)) + [3, 4]]  # the last shares a block

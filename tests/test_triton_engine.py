@@ -4,6 +4,8 @@ import pytest
 from nanovllm import SamplingParams
 from tests.helpers import make_llm, random_prompts, token_ids
 
+pytestmark = pytest.mark.slow  # the quick subset, -m "not slow", leaves it out
+
 
 @pytest.mark.parametrize("name", ["qwen3", "llama_tied"])
 @pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 16}], ids=["whole", "chunked"])

@@ -36,6 +36,8 @@ from nanovllm.kernels import (  # noqa: E402
 from nanovllm.kernels.decode import MAX_SPLITS  # noqa: E402
 from nanovllm.layers.rotary import RotaryEmbedding, norm_rope  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the quick subset, -m "not slow", leaves it out
+
 HEAD_DIMS = [64, 128]
 # (query heads, KV heads): groups of 1, 2, 3, 4, 8
 HEAD_RATIOS = [(2, 2), (4, 2), (3, 1), (4, 1), (8, 1)]
@@ -326,7 +328,7 @@ def slot_of(block_table: torch.Tensor, positions: torch.Tensor, block_size: int)
 
 # ---------- larger shapes in bfloat16 on the GPU ----------
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads",
                          [(128, 16, 8), (64, 9, 3), (128, 32, 4)])
 @pytest.mark.parametrize("block_size", [16, 64, 256])

@@ -30,7 +30,7 @@ from nanovllm.utils.pinned import host_tensor
 from nanovllm.worker.cuda_graphs import FullGraph, unpack
 
 # of the decode keys: on an H200 at batch 256, cascade broke even between 0.25 and 0.4 of the keys
-# saved (0.89x to 1.04x), and gave 1.5x to 2x at 0.6 to 0.8 (benchmarks/cascade_kernels.py)
+# saved (0.89x to 1.04x), and gave 1.5x to 2x at 0.6 to 0.8 (docs/cascade.md)
 MIN_SAVED_FRACTION = 0.4
 MAX_PREFIX_SPLITS = 16
 
@@ -145,7 +145,7 @@ def pays(saved: int, context_lens: list[int], num_decodes: int) -> bool:
 def prefix_splits(num_tiles: int, num_kv_heads: int, num_sms: int, max_keys: int) -> int:
     """Splits of each tile's prefix: about 2 programs per SM, rounded down, at least 2; no split
     shorter than a key tile. (On an H200 at batch 256, 2 splits of 16 tiles x 8 KV heads beat 3 by
-    2-4%: benchmarks/results/h200_session14_prefix_splits.log.)"""
+    2-4%: benchmarks/results/h200_cascade.log.)"""
     useful = triton.cdiv(max_keys, decode_config(128)["BLOCK_N"])
     wanted = max(2, 2 * num_sms // (max(1, num_tiles) * num_kv_heads))
     return max(1, min(wanted, useful, MAX_PREFIX_SPLITS))

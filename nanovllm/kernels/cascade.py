@@ -32,7 +32,7 @@ MERGE_HEADS = 4  # query heads of a row that one merge program combines
 
 
 def cascade_config(head_dim: int) -> dict:
-    """Tile sizes of the one launch (benchmarks/cascade_kernels.py sweeps them)."""
+    """Tile sizes of the one launch (the best of a sweep on an H200: docs/cascade.md)."""
     return dict(BLOCK_N=64, num_warps=4, num_stages=2)
 
 
@@ -193,7 +193,7 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         PREFIX_SPLITS=prefix_splits, **widen_config(q.dtype, k_cache.dtype), **cfg,
     )
     # 4 query heads a program: 1.8x to 2.2x faster than one on an H200 at batch 256
-    # (benchmarks/cascade_merge_variants.py)
+    # (benchmarks/results/h200_cascade_merge.log)
     _merge_splits_kernel[(num_seqs, triton.cdiv(num_heads, MERGE_HEADS))](
         partial, lse, out, cu_seqlens_q, context_lens, key_starts, *partial_strides,
         out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEADS=MERGE_HEADS, HEAD_DIM=head_dim,

@@ -178,7 +178,7 @@ def decode_config(head_dim: int, fp8: bool = False) -> dict:
     did. An FP8 cache's tiles are half the bytes: 128 keys a tile, widened by `.to()` (not
     widen_v's PTX), with at most 128 registers a thread so that more programs share an SM: on an
     H200 1.09x to 1.21x the 64-key tiles at batch 16 to 256
-    (benchmarks/results/h200_session11_fp8_occupancy.log).
+    (docs/fp8.md).
     """
     if fp8:
         return dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, FP8_ASM=False)

@@ -2,7 +2,7 @@
 
 At batch 1 a decode layer is a chain of small kernels, and on an H200 each GEMM of Qwen3-0.6B takes
 5-8 us whatever the kernel while its weight (4-12 MiB) would stream in 1-3 us: the fixed cost of a
-dependent kernel dominates (benchmarks/results/h200_skinny_gemm.log). So fewer kernels: y = a @ W.T
+dependent kernel dominates (docs/benchmarks.md, batch 1). So fewer kernels: y = a @ W.T
 for an input a of M <= MAX_ROWS rows, where a is made in the kernel's prologue from what the layer
 before left:
 - NORM: a = RMSNorm(x + residual) (the residual add optional), the new residual x + residual
@@ -106,7 +106,7 @@ def _gemv_kernel(
 
 def gemv_config(n: int, k: int) -> dict:
     """BLOCK_N, BLOCK_K and warps of one projection: the best of a sweep on an H200 at M=1 for each
-    of Qwen3-0.6B's (benchmarks/results/h200_batch1_micro.log)."""
+    of Qwen3-0.6B's (its log: benchmarks/results/h200_batch1_micro.log of commit ecd9371)."""
     return dict(BLOCK_N=4, BLOCK_K=min(1024, triton.next_power_of_2(k)),
                 num_warps=8 if k > 1024 else 4)
 

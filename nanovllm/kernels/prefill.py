@@ -116,7 +116,7 @@ def _prefill_kernel(
 
 def prefill_config(head_dim: int, cache_dtype: torch.dtype | None = None) -> dict:
     """Key tiles, measured on an H100: 32 keys (head_dim 128) or 64, 4 warps, 2 stages; over an FP8
-    cache 64 keys (an H200: benchmarks/fp8_kernel_variants.py). The query tile (BLOCK_M) is the
+    cache 64 keys (an H200: docs/fp8.md). The query tile (BLOCK_M) is the
     caller's: 64 queries a program, small enough that the causal triangle's uneven work spreads
     over the SMs."""
     fp8 = cache_dtype == torch.float8_e4m3fn

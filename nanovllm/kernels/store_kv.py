@@ -81,7 +81,7 @@ def _round_to_e4m3(x):
     e is 2^(e - 3), and below 2^-6 (subnormals) it stays 2^-9. A GPU's cast rounds to nearest, ties
     to even, as torch does; this function there (its exp2 and division are approximate) left 1% of
     values a step off torch's at scales of 0.7 and 1.3, and cost 0.7-6 us a layer more
-    (benchmarks/results/h100_session14_fp8_store_cast.log)."""
+    (benchmarks/results/h100_fp8_store_cast.log)."""
     exponent = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
     step = tl.exp2((exponent - 3).to(tl.float32))
     return tl.where(x < 0, -1.0, 1.0) * tl.floor(tl.abs(x) / step + 0.5) * step
