@@ -145,11 +145,14 @@ def test_decode_graphs_sample_as_eager_steps(qwen3_dir):
     """A decode graph fills its placeholders and ends with the logits, and plain sampling runs in a
     graph of its own (worker/cuda_graphs.py). At a temperature so low that sampling takes the
     argmax, graph steps give eager greedy steps' tokens: with every row plain (sampled by the
-    sampler graphs) and with a seeded row among them (sampled eagerly from the graph's logits)."""
+    sampler graphs) and with a seeded row among them (sampled eagerly from the graph's logits).
+    (SAMPLING_EPS is the lowest temperature that samples; below it a request is greedy.)"""
+    from nanovllm.sampling_params import SAMPLING_EPS
     random.seed(4)
     prompts = [[random.randrange(1000, 20000) for _ in range(n)] for n in (40, 300, 7, 120)]
-    greedy, cold = (SamplingParams(temperature=t, max_tokens=24, ignore_eos=True) for t in (0, 1e-6))
-    seeded = SamplingParams(temperature=1e-6, max_tokens=24, ignore_eos=True, seed=3)
+    greedy, cold = (SamplingParams(temperature=t, max_tokens=24, ignore_eos=True)
+                    for t in (0, SAMPLING_EPS))
+    seeded = SamplingParams(temperature=SAMPLING_EPS, max_tokens=24, ignore_eos=True, seed=3)
     tokens, samplers = [], []
     for eager, params in ((True, [greedy] * 4), (False, [cold] * 4), (False, [cold, seeded] * 2)):
         llm = LLM(qwen3_dir, attn_backend="triton", skip_tokenizer_init=True, dtype="float32",

@@ -1,6 +1,8 @@
 """Input processing (vLLM v1's processor): a request's prompt and sampling parameters, validated and
 tokenized into its first Sequence, before anything is queued. A request that could never run is
-refused here, with the numbers, rather than failing later inside a step."""
+refused here, with the numbers, rather than failing later inside a step it would share with other
+requests: every value that lands in a step's tensors is bounded, by SamplingParams or here against
+the model."""
 import os
 
 from nanovllm.core.sequence import Sequence, num_blocks_for
@@ -51,6 +53,11 @@ class InputProcessor:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs={params.logprobs} is more than the vocabulary size {vocab}")
+        if params.top_k > vocab:
+            raise ValueError(f"top_k={params.top_k} must be -1 or 0 (all tokens) or an integer in "
+                             f"[1, {vocab}] (the vocabulary size)")
+        if bad := [t for t in params.stop_token_ids if t >= vocab]:
+            raise ValueError(f"stop_token_ids={bad[:5]} are outside the vocabulary [0, {vocab})")
         width = max(params.n, beam_width)  # sequences the request may run at once
         if width > self.config.max_num_seqs:
             raise ValueError(f"the request runs {width} sequences at once (n or beam_width) but "
