@@ -1,7 +1,8 @@
 """One request never hurts another: every value of a request that lands in a step's tensors is
 bounded when the request is added (SamplingParams, nanovllm/engine/input_processor.py), so a batch
 of valid requests, however extreme, never fails a step, and a greedy or seeded request gets the
-same tokens beside any others as alone. Also: tiny temperatures sample greedily."""
+same tokens beside any others as alone. Also: tiny temperatures sample greedily, and a text far
+too long is refused before it is tokenized."""
 import pytest
 
 from nanovllm import SamplingParams
@@ -144,3 +145,16 @@ def test_temperatures_below_epsilon_are_greedy(llm, temperature):
     assert [o.outputs[0].token_ids for o in tiny] == [o.outputs[0].token_ids for o in greedy]
     assert SamplingParams(temperature=temperature).greedy
     assert not SamplingParams(temperature=SAMPLING_EPS).greedy
+
+
+def test_a_text_far_too_long_is_refused_before_it_is_tokenized(llm, monkeypatch):
+    limit = llm.input_processor.max_prompt_chars
+    assert limit == MAX_MODEL_LEN * max(map(len, llm.tokenizer.get_vocab()))
+    calls = []
+    monkeypatch.setattr(llm.tokenizer, "encode", lambda *a, **k: calls.append(a) or [1])
+    with pytest.raises(ValueError, match=rf"^prompt has {limit + 1} characters: more than "
+                                         rf"max_model_len={MAX_MODEL_LEN} tokens can hold"):
+        llm.add_request("x" * (limit + 1), SamplingParams())
+    assert calls == [] and not llm.requests
+    llm.abort_request(llm.add_request("x" * limit, SamplingParams()))  # tokenized: it may fit
+    assert len(calls) == 1
