@@ -1,8 +1,8 @@
 """One request never hurts another: every value of a request that lands in a step's tensors is
 bounded when the request is added (SamplingParams, nanovllm/engine/input_processor.py), so a batch
 of valid requests, however extreme, never fails a step, and a greedy or seeded request gets the
-same tokens beside any others as alone. Also: tiny temperatures sample greedily, and a text far
-too long is refused before it is tokenized."""
+same tokens beside any others as alone. Also: tiny temperatures sample greedily, a text far too
+long is refused before it is tokenized, and a shut-down engine takes no request."""
 import pytest
 
 from nanovllm import SamplingParams
@@ -158,3 +158,15 @@ def test_a_text_far_too_long_is_refused_before_it_is_tokenized(llm, monkeypatch)
     assert calls == [] and not llm.requests
     llm.abort_request(llm.add_request("x" * limit, SamplingParams()))  # tokenized: it may fit
     assert len(calls) == 1
+
+
+def test_a_shut_down_engine_takes_no_request(tiny_path):
+    """Before: add_request after shutdown() returned an id and queued the request; step() then
+    raised."""
+    llm = make_llm(tiny_path, num_kvcache_blocks=16)
+    llm.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.add_request([1, 2, 3], SamplingParams())
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[1, 2, 3]], SamplingParams(), use_tqdm=False)
+    assert not llm.requests and not llm.scheduler.waiting
