@@ -1,8 +1,10 @@
-"""The server under attack and when it stops (issue 20): a property-based fuzz of request bodies
+"""The server under attack and when it stops: a property-based fuzz of request bodies
 (never a 500, and the same greedy text afterwards), a flood past the waiting limit (503 with
-Retry-After, then served again), and SIGTERM with streams and a whole answer in flight (the short
-stream finishes, the long ones end with "abort" and [DONE], the whole answer gets 503, new calls
-get 503, exit status 0, every KV block free)."""
+Retry-After, then served again; never more waiting than the limit), and SIGTERM with streams and
+a whole answer in flight (the short stream finishes, the long ones end with "abort" and [DONE],
+the whole answer gets 503, new calls get 503, exit status 0, every KV block free). One request
+never hurts another: huge prompts are refused without stalling a stream."""
+import contextlib
 import json
 import signal
 import threading
@@ -196,3 +198,84 @@ def test_sigterm_finishes_or_aborts_then_exits_0(smollm2_dir):
     assert whole["response"].status_code == 503
     figures = json.loads("".join(srv.log).split("engine figures: ")[1].splitlines()[0])
     assert figures["kv_blocks_used"] == figures["num_running"] == figures["num_waiting"] == 0
+
+
+def stream_gaps(srv: Server, started: threading.Event, stop: threading.Event) -> list[float]:
+    """Arrival times of a long greedy stream's events, until `stop` is set (then it hangs up)."""
+    times = []
+    body = {**GREEDY, "max_tokens": 3000, "stream": True}
+    with srv.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                times.append(time.monotonic())
+                if len(times) == 5:
+                    started.set()
+            if stop.is_set() or line == "data: [DONE]":
+                break
+    started.set()
+    return times
+
+
+def test_refused_huge_prompts_do_not_stall_a_stream(random_smol, smollm2_dir):
+    """Ten prompts of 2 MiB each, refused (far longer than max_model_len tokens), beside a stream:
+    refusing them costs the stream no step (no tokenizing on the engine thread)."""
+    srv = Server(random_smol, *SMALL_ENGINE, "--max-model-len", "4096", "--tokenizer",
+                 smollm2_dir, "--max-body-bytes", str(3 << 20))
+    try:
+        started, stop, result = threading.Event(), threading.Event(), {}
+        reader = threading.Thread(target=lambda: result.update(
+            times=stream_gaps(srv, started, stop)))
+        reader.start()
+        assert started.wait(120)
+        huge = ("the quick brown fox jumps over the lazy dog " * 50_000)[:2 << 20]
+        body = json.dumps({"prompt": huge, "max_tokens": 1}).encode()
+        statuses = [None] * 10
+
+        def refuse(i):
+            with srv.client() as c:
+                statuses[i] = c.post("/v1/completions", content=body,
+                                     headers={"Content-Type": "application/json"})
+        begin = time.monotonic()
+        threads = [threading.Thread(target=refuse, args=(i,)) for i in range(10)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        end = time.monotonic()
+        time.sleep(0.3)
+        stop.set()
+        reader.join(120)
+    finally:
+        srv.kill()
+    assert all(r.status_code == 400 and r.json()["error"]["param"] == "prompt" for r in statuses)
+    times = [t for t in result["times"] if begin - 1 <= t]
+    assert times and times[-1] > end, "the stream ended before the refusals did"
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    print(f"largest gap between stream events: {max(gaps):.3f} s over {len(gaps)} gaps")
+    assert max(gaps) < 0.5
+
+
+def test_waiting_limit_is_never_passed(smollm2_dir):
+    """Requests opened one after another while one runs (max_num_seqs=1): exactly
+    --max-waiting-requests of them wait, the next gets 503. Before: one just queued was counted
+    neither as being added nor as waiting until the engine's next step ended, and 5 waited."""
+    srv = Server(smollm2_dir, *SMALL_ENGINE[:-2], "--max-num-seqs", "1",
+                 "--max-waiting-requests", "4")
+    long = {"prompt": "Count to a thousand:", "max_tokens": 900, "ignore_eos": True,
+            "stream": True}
+    try:
+        with contextlib.ExitStack() as stack:
+            c = stack.enter_context(srv.client(limits=httpx.Limits(max_connections=20)))
+            first = stack.enter_context(c.stream("POST", "/v1/completions", json=long))
+            lines = first.iter_lines()  # (a generator collected would hang up)
+            next(lines)  # it runs
+            statuses = []
+            for _ in range(6):
+                r = stack.enter_context(c.stream("POST", "/v1/completions", json=long))
+                statuses.append(r.status_code)
+            stats = srv.stats()
+        assert statuses == [200] * 4 + [503] * 2, statuses
+        assert stats["num_waiting"] == 4 and stats["num_running"] == 1
+        srv.wait_drained()
+    finally:
+        srv.kill()

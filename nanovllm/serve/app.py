@@ -6,8 +6,10 @@ A gate in front of every route answers before any body is read: 503 while the se
 without the API key (compared in constant time; `/health` stays open), 413 for a body declared
 larger than the limit. A handler then reads the body (413 if it grows past the limit), checks it
 (nanovllm/serve/protocol.py: 400 naming the field), refuses it with 503 and `Retry-After` when too
-many requests wait, and hands it to the engine thread (nanovllm/serve/engine_thread.py). A client
-that goes away, streamed or not, has its requests aborted and their KV blocks freed.
+many requests wait, and hands it to the engine thread (nanovllm/serve/engine_thread.py). A chat's
+template and every prompt's tokenizing run on worker threads, off the event loop and the engine
+thread: a long prompt, or a refused one, delays no step. A client that goes away, streamed or not,
+has its requests aborted and their KV blocks freed.
 """
 import asyncio
 import hmac
@@ -130,8 +132,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request):
         body = await read_json(request, state)
         req = chat_request(body, state.llm.config.max_model_len)
-        return await serve(request, state, req, [chat_prompt(state.llm, req.prompts[0])], "chat",
-                           "chatcmpl")
+        prompt = await asyncio.to_thread(chat_prompt, state.llm, req.prompts[0])  # not on the loop
+        return await serve(request, state, req, [prompt], "chat", "chatcmpl")
     return app
 
 
