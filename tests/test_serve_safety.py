@@ -3,7 +3,8 @@
 Retry-After, then served again; never more waiting than the limit), and SIGTERM with streams and
 a whole answer in flight (the short stream finishes, the long ones end with "abort" and [DONE],
 the whole answer gets 503, new calls get 503, exit status 0, every KV block free). One request
-never hurts another: huge prompts are refused without stalling a stream."""
+never hurts another: huge prompts are refused without stalling a stream, a value past its bounds
+is a 400 that fails no other request."""
 import contextlib
 import json
 import signal
@@ -253,6 +254,68 @@ def test_refused_huge_prompts_do_not_stall_a_stream(random_smol, smollm2_dir):
     gaps = [b - a for a, b in zip(times, times[1:])]
     print(f"largest gap between stream events: {max(gaps):.3f} s over {len(gaps)} gaps")
     assert max(gaps) < 0.5
+
+
+def test_a_request_past_the_bounds_is_400_and_fails_no_other(server):
+    """Before: top_k=2**63 alone got 200; beside a request with top_k=5 it overflowed building
+    the step's top_k tensor, and both got 500 (a stream: an error event without [DONE])."""
+    events = {}
+
+    def stream():
+        body = {"prompt": "Once upon a time", "temperature": 1, "top_k": 5, "max_tokens": 200,
+                "ignore_eos": True, "stream": True}
+        with server.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
+            events["stream"] = sse_events(r)
+    reader = threading.Thread(target=stream)
+    reader.start()
+    with server.client() as c:
+        for _ in range(5):
+            r = c.post("/v1/completions", json={"prompt": "a", "temperature": 1, "top_k": 2**63})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "top_k" and "49152" in error["message"]
+    reader.join(120)
+    assert events["stream"][-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(len(e["choices"][0]["text"]) > 0 for e in events["stream"]) > 0
+
+
+def test_a_model_of_the_wrong_type_is_400_naming_it(server):
+    """Before: "model": 5 got 404 "the model '5' does not exist"."""
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"prompt": "hi", "model": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+    assert "'model' must be a string" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 1}', "prompt"),
+    ("/v1/completions", b'{"prompt": "a", "stop": ["\\udfff"]}', "stop"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+     "messages"),
+    ("/v1/completions", b'{"prompt": "a", "\\ud800": 1}', None),
+], ids=["prompt", "stop", "message", "field-name"])
+def test_lone_surrogates_are_400_naming_the_field(server, path, body, param):
+    """JSON's "\\ud800" escape gives a string that is not Unicode text. Before: 400 with the
+    tokenizer's own message and param null (prompt), or 500 (a field's name, echoed in the
+    error)."""
+    with server.client() as c:
+        r = c.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert "lone surrogate" in r.json()["error"]["message"]
+
+
+def test_the_bearer_scheme_in_any_case(server):
+    """RFC 9110: an auth scheme is case-insensitive. Before: "bearer KEY" got 401."""
+    body = {"prompt": "hi", "max_tokens": 1}
+    with httpx.Client(base_url=server.url, trust_env=False) as c:
+        for scheme in ("bearer", "BEARER", "Bearer"):
+            r = c.post("/v1/completions", json=body,
+                       headers={"Authorization": f"{scheme} {server.api_key}"})
+            assert r.status_code == 200, (scheme, r.text)
+        for header in (f"Basic {server.api_key}", f"bearer{server.api_key}", "bearer nope",
+                       f"bearer {server.api_key}x"):
+            r = c.post("/v1/completions", json=body, headers={"Authorization": header})
+            assert r.status_code == 401, header
 
 
 def test_waiting_limit_is_never_passed(smollm2_dir):

@@ -29,12 +29,15 @@ from nanovllm.serve.protocol import (
     chat_request,
     completion_request,
     parse_json,
+    short,
 )
 from nanovllm.serve.responses import DONE, Choices
 
 log = logging.getLogger("nanovllm.serve")
-ENGINE_REFUSALS = (("prompt", "prompt"), ("the request needs", "max_tokens"),  # message -> field
-                   ("the request runs", "n"), ("logprobs", "logprobs"))
+ENGINE_REFUSALS = (("prompt", "prompt"), ("a prompt", "prompt"),  # message -> field
+                   ("the request needs", "max_tokens"), ("the request runs", "n"),
+                   ("logprobs", "logprobs"), ("top_k", "top_k"),
+                   ("stop_token_ids", "stop_token_ids"))
 
 
 @dataclass
@@ -81,7 +84,9 @@ class Gate:
 
 
 def authorized(header: bytes, key: str) -> bool:
-    return hmac.compare_digest(header, b"Bearer " + key.encode())
+    """Whether the header is 'Bearer KEY' (the scheme in any case: RFC 9110, section 11.1)."""
+    scheme, _, token = header.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.lstrip(b" "), key.encode())
 
 
 def declared_length(headers: dict) -> int:
@@ -146,6 +151,8 @@ async def read_json(request: Request, state: ServerState) -> dict:
             raise too_large(state.max_body_bytes)
         chunks.append(chunk)
     body = parse_json(b"".join(chunks))
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise APIError(400, f"'model' must be a string, not {short(body['model'])}", "model")
     if body.get("model") not in (None, state.model_name):
         raise APIError(404, f"the model {str(body['model'])[:100]!r} does not exist; this server "
                        f"serves {state.model_name!r}", "model", type="not_found_error")
