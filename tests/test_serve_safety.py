@@ -2,12 +2,14 @@
 (never a 500, and the same greedy text afterwards), a flood past the waiting limit (503 with
 Retry-After, then served again; never more waiting than the limit), and SIGTERM with streams and
 a whole answer in flight (the short stream finishes, the long ones end with "abort" and [DONE],
-the whole answer gets 503, new calls get 503, exit status 0, every KV block free). One request
-never hurts another: huge prompts are refused without stalling a stream, a value past its bounds
-is a 400 that fails no other request."""
+the whole answer gets 503, new calls get 503, exit status 0, every KV block free) or with clients
+that stall (the server still ends within its grace period and a second). One request never hurts
+another: huge prompts are refused without stalling a stream, a value past its bounds is a 400
+that fails no other request."""
 import contextlib
 import json
 import signal
+import socket
 import threading
 import time
 
@@ -342,3 +344,47 @@ def test_waiting_limit_is_never_passed(smollm2_dir):
         srv.wait_drained()
     finally:
         srv.kill()
+
+
+def test_stopping_ends_within_the_grace_period_whatever_the_clients_do(random_smol, smollm2_dir):
+    """One client sends its headers and half its body, one streams and never reads, one waits
+    for a whole answer: SIGTERM with a 2 s grace period ends the server within 3 s, with status
+    0 and no traceback. Before: 5 s more for calls to finish after the aborts, then 5 s for
+    uvicorn's own graceful shutdown, which cancelled the handlers (a CancelledError traceback)."""
+    grace = 2.0
+    srv = Server(random_smol, *SMALL_ENGINE, "--max-model-len", "4096", "--tokenizer",
+                 smollm2_dir, "--grace-period", str(grace), api_key=None)
+    host, port = srv.url.removeprefix("http://").split(":")
+    sockets = []
+    try:
+        half = socket.create_connection((host, int(port)))
+        half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: 1000\r\n\r\n" + b" " * 500)
+        deaf = socket.socket()
+        deaf.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        deaf.connect((host, int(port)))
+        body = json.dumps({"prompt": "Once upon a time", "max_tokens": 4000, "n": 8,
+                           "logprobs": 20, "ignore_eos": True, "stream": True}).encode()
+        deaf.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        sockets += [half, deaf]
+        whole = threading.Thread(target=lambda: srv.client().post(
+            "/v1/completions", json={"prompt": "Hi", "max_tokens": 4000, "ignore_eos": True}))
+        whole.start()
+        end = time.monotonic() + 60
+        while srv.stats()["num_running"] < 9 and time.monotonic() < end:
+            time.sleep(0.05)
+        time.sleep(1)
+        start = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        status = srv.proc.wait(timeout=60)
+        took = time.monotonic() - start
+        whole.join(60)
+    finally:
+        for s in sockets:
+            s.close()
+        srv.kill()
+    log = "".join(srv.log)
+    print(f"stopped {took:.2f} s after SIGTERM (grace period {grace} s)")
+    assert status == 0 and took < grace + 1, (took, log[-3000:])
+    assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]

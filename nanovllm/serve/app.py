@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from nanovllm.serve.engine_thread import EngineFailure, EngineThread, merge
 from nanovllm.serve.protocol import (
@@ -145,11 +146,14 @@ def build_app(state: ServerState) -> FastAPI:
 async def read_json(request: Request, state: ServerState) -> dict:
     """The body, read up to the limit (a body sent in chunks declares no length), as JSON."""
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > state.max_body_bytes:
-            raise too_large(state.max_body_bytes)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > state.max_body_bytes:
+                raise too_large(state.max_body_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:  # nobody will read the answer (the server may have hung up on it)
+        raise APIError(400, "the client went away before sending the whole body") from None
     body = parse_json(b"".join(chunks))
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise APIError(400, f"'model' must be a string, not {short(body['model'])}", "model")

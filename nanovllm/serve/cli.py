@@ -5,11 +5,13 @@ Every engine option is a flag generated from Config (`--attn-backend triton`,
 `--no-enable-prefix-caching`), its help text taken from Config's own comments, so a new option
 needs no edit here. On SIGTERM or SIGINT the server stops accepting (new calls get 503), gives the
 calls in flight a grace period (a second signal cuts it short), aborts the rest (their blocks
-freed: streams end with finish_reason "abort" and [DONE], whole answers get 503), prints the
-engine's figures and exits with status 0.
+freed: streams end with finish_reason "abort" and [DONE], whole answers get 503), hangs up on
+clients that still send or read nothing, prints the engine's figures and exits with status 0,
+less than a second after the grace period.
 """
 import argparse
 import asyncio
+import gc
 import inspect
 import ipaddress
 import json
@@ -128,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         llm.shutdown()
     print(f"nanovllm: stopped; engine figures: {json.dumps(stats)}", flush=True)
+    gc.freeze()  # the interpreter's exit then skips collecting torch's objects: a second saved
     return 0
 
 
@@ -141,7 +144,7 @@ async def serve(llm, args, api_key: str | None, name: str) -> dict:
     state = ServerState(llm, engine, name, api_key, args.max_body_bytes, args.max_waiting_requests)
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port, lifespan="off",
                             log_level=args.log_level, access_log=args.access_log,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=1)
     server = GracefulServer(config, state, args.grace_period)
     engine.start()
     try:
@@ -176,8 +179,17 @@ class GracefulServer:
                 log.info("stopping: %d requests in flight get %.0f s", state.num_active,
                          grace_period)
                 await self.until_idle(grace_period)
-                await state.engine.abort_all()
-                await self.until_idle(5.0)  # aborted calls write their last bytes
+                # what is left of the stop takes less than a second, whatever the clients do
+                try:
+                    await asyncio.wait_for(state.engine.abort_all(), 0.3)  # after its step
+                except asyncio.TimeoutError:
+                    log.warning("the engine did not abort its requests within 0.3 s")
+                await self.until_idle(0.1)  # aborted calls write their last bytes
+                stalled = list(self.server_state.connections)  # clients that send or read no more
+                if stalled:
+                    log.info("stopping: hanging up on %d connections", len(stalled))
+                for connection in stalled:
+                    connection.transport.abort()
                 self.should_exit = True
 
             async def until_idle(self, seconds: float):
