@@ -26,6 +26,9 @@ from dataclasses import MISSING, fields
 from nanovllm.config import Config
 
 SERVER_ONLY = {"model", "hf_config", "torch_dtype"}  # Config fields that are not flags
+# Config fields whose "" lets the engine choose: "auto" on the command line
+AUTO = [f.name for f in fields(Config) if typing.get_origin(f.type) is typing.Literal
+        and typing.get_args(f.type)[0] == ""]
 log = logging.getLogger("nanovllm.serve")
 
 
@@ -46,12 +49,17 @@ def add_engine_flags(parser: argparse.ArgumentParser):
             continue
         flag = "--" + f.name.replace("_", "-")
         default = None if f.default is MISSING else f.default
+        default = "auto" if default == "" and f.name in AUTO else default
         allowed = f.metadata["rule"][1] + "; " if "rule" in f.metadata else ""  # utils/checks.py
-        help = f"{comments.get(f.name, '')} ({allowed}default: {default!r})".lstrip()
+        comment = comments.get(f.name, "")
+        comment = comment.replace('"":', "auto:", 1) if f.name in AUTO else comment
+        help = f"{comment} ({allowed}default: {default!r})".lstrip()
         choices = None
         kind = f.type.__args__[0] if isinstance(f.type, types.UnionType) else f.type
         if typing.get_origin(f.type) is typing.Literal:  # a flag of strings: None is its absence
             choices, kind = [c for c in typing.get_args(f.type) if c is not None], str
+            if f.name in AUTO:
+                choices = ["auto", *choices[1:]]
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help,
                                default=argparse.SUPPRESS)
@@ -90,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_options(args: argparse.Namespace) -> dict:
     """The engine flags given on the command line, as Config options."""
     names = {f.name for f in fields(Config)} - SERVER_ONLY
-    return {name: value for name, value in vars(args).items() if name in names}
+    return {name: "" if name in AUTO and value == "auto" else value
+            for name, value in vars(args).items() if name in names}
 
 
 def check_server_args(args: argparse.Namespace):
