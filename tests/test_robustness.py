@@ -652,7 +652,8 @@ def test_config_with_broken_json(tiny_path, tmp_path):
 
 def test_float_block_size(tiny_path):
     """Before: kvcache_block_size=16.0 -> TypeError: unsupported operand type(s) for &."""
-    with pytest.raises(TypeError, match=r"^kvcache_block_size=16.0 must be a power of two \(an int"):
+    with pytest.raises(TypeError,
+                       match=r"^kvcache_block_size=16.0 must be a power of two \(an int"):
         make_llm(tiny_path, kvcache_block_size=16.0)
 
 
@@ -700,4 +701,5 @@ def test_cpu_bench_repeats_each_configuration():
     assert len(table) == 2 and all(row.startswith("| sdpa | 8 |") for row in table), lines
     rates = [float(row.split("|")[4].replace(",", "")) for row in table]
     median = float(lines[-1].split("sdpa ")[1].split(" ")[0].replace(",", ""))
-    assert lines[-1].startswith("median of 2 runs") and median == pytest.approx(sum(rates) / 2, abs=1)
+    assert lines[-1].startswith("median of 2 runs")
+    assert median == pytest.approx(sum(rates) / 2, abs=1)
