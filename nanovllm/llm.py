@@ -21,7 +21,7 @@ class LLM(LLMEngine):
             params = [replace(p or SamplingParams(), output_kind=output_kind)
                       if isinstance(p, SamplingParams | None) else p for p in params]
         seqs = [self.input_processor.make_sequence(p, sp) for p, sp in zip(prompts, params)]
-        return [self._queue(seq) for seq in seqs]
+        return [self.queue(seq) for seq in seqs]
 
     def _run(self, request_ids: list):
         """Step until these requests end, yielding their outputs (other requests' outputs are kept

@@ -1,18 +1,28 @@
 """How one request is decoded (vLLM's SamplingParams): temperature, truncation, penalties, stopping,
 seeding, the number of parallel samples, the log-probabilities to report, and how its outputs
-stream."""
-import math
+stream.
+
+Every value is bounded here, or against the model when the request is added
+(nanovllm/engine/input_processor.py: top_k, logprobs and stop_token_ids against the vocabulary), so
+that no request can make the batch tensors of a step it shares overflow or turn to NaN.
+"""
 from dataclasses import dataclass
 from typing import Literal
 
 from nanovllm.utils.checks import at_least, check_fields, rule
+
+# temperatures below it sample greedily (vLLM's _SAMPLING_EPS): logits divided by less overflow
+# float32, and a softmax of infinities is NaN
+SAMPLING_EPS = 1e-5
+FLOAT32_MAX = 3.4028234663852886e38  # temperatures land in a float32 tensor; -inf / inf is NaN
 
 
 @dataclass(slots=True)
 class SamplingParams:
     # parallel samples of the prompt; they share its KV blocks
     n: int = at_least(1, default=1)
-    temperature: float = rule(1.0, lambda v: 0 <= v < math.inf, "a finite number >= 0 (0: greedy)")
+    temperature: float = rule(1.0, lambda v: 0 <= v <= FLOAT32_MAX,
+                              "a number in [0, 3.4e38] (below 1e-05: greedy)")
     top_p: float = rule(1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")
     top_k: int = rule(-1, lambda v: v >= -1, "-1 or 0 (all tokens) or a positive integer")
     min_p: float = rule(0.0, lambda v: 0 <= v <= 1, "a number in [0, 1]")
@@ -20,10 +30,13 @@ class SamplingParams:
     presence_penalty: float = rule(0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2] (0 is off)")
     # OpenAI's: subtracted per occurrence in the generated tokens
     frequency_penalty: float = rule(0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2] (0 is off)")
-    # transformers': logits of seen tokens divided (or multiplied) by it
-    repetition_penalty: float = rule(1.0, lambda v: 0 < v < math.inf,
-                                     "a finite number > 0 (1 is off)")
-    seed: int | None = None         # the same seed, the same tokens (whatever else is in the batch)
+    # transformers': logits of seen tokens divided (or multiplied) by it; bounded so that a
+    # logit divided by it and by the temperature stays a finite float32
+    repetition_penalty: float = rule(1.0, lambda v: 1e-3 <= v <= 1e3,
+                                     "a number in [0.001, 1000] (1 is off)")
+    # the same seed, the same tokens (whatever else is in the batch); 64 bits, signed or not
+    seed: int | None = rule(None, lambda v: v is None or -2**63 <= v < 2**64,
+                            "None or an integer in [-2**63, 2**64)")
     # strings that end the text (not included in it)
     stop: list[str] = rule([], lambda v: all(isinstance(s, str) and s for s in v),
                            "a string or a list of non-empty strings")
@@ -50,7 +63,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     @property
     def penalized(self) -> bool:

@@ -1,4 +1,5 @@
-"""GPU correctness (skipped without CUDA): teacher-forced logits of every backend against transformers.
+"""GPU correctness (skipped without CUDA): teacher-forced logits of every backend against
+transformers.
 
 Random bf16 weights give near-flat logits, so greedy tokens of two correct bf16 implementations
 often differ. Instead, nanovllm's logits must stay within 1.5x the relative error that
@@ -30,8 +31,9 @@ def free_gpu_memory():
 def qwen3_dir(tmp_path_factory):
     """Random weights with the Qwen3-0.6B architecture, saved as a transformers checkpoint."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                      num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+    cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                      vocab_size=151936, max_position_embeddings=40960,
                       rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg)
@@ -46,7 +48,8 @@ def workload():
     rng = random.Random(0)
     lens = [(5, 24), (100, 16), (255, 20), (257, 12), (600, 24), (1000, 16)]
     seqs = [[rng.randrange(151936) for _ in range(p + d)] for p, d in lens]
-    seqs.append(seqs[-1][:700] + [rng.randrange(151936) for _ in range(320)])  # shares 700 tokens (2 blocks)
+    # shares 700 tokens (2 blocks)
+    seqs.append(seqs[-1][:700] + [rng.randrange(151936) for _ in range(320)])
     return seqs, [p for p, _ in lens] + [1000]
 
 
@@ -55,7 +58,8 @@ def references(qwen3_dir, workload):
     from transformers import AutoModelForCausalLM
     out = {}
     for name, dtype in [("fp32", torch.float32), ("bf16", torch.bfloat16)]:
-        model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=dtype, attn_implementation="sdpa").cuda()
+        model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=dtype,
+                                                     attn_implementation="sdpa").cuda()
         out[name] = hf_logits(model, *workload)
         del model
         torch.cuda.empty_cache()
@@ -73,8 +77,10 @@ def test_teacher_forced_logits_bf16(qwen3_dir, workload, references, backend, mo
         engine_logits(llm, *workload)
     logits = engine_logits(llm, *workload)
     error, bound = rel_error(logits, references["fp32"]), 1.5 * references["hf_bf16_error"]
-    print(f"{backend} {mode}: nanovllm {error:.5f}, transformers bf16 {references['hf_bf16_error']:.5f}")
-    assert error <= bound, f"{backend} {mode}: relative error {error:.5f} > 1.5 x transformers bf16 {bound / 1.5:.5f}"
+    print(f"{backend} {mode}: nanovllm {error:.5f}, "
+          f"transformers bf16 {references['hf_bf16_error']:.5f}")
+    assert error <= bound, (f"{backend} {mode}: relative error {error:.5f} > 1.5 x transformers "
+                            f"bf16 {bound / 1.5:.5f}")
     if mode == "prefix_hit":
         assert llm.block_manager.cached_blocks, "the second run should have found cached blocks"
 
@@ -84,22 +90,25 @@ def test_greedy_float32_matches_transformers(qwen3_dir, workload, backend):
     from transformers import AutoModelForCausalLM
     prompts = [s[:p] for s, p in zip(*workload)][:4]
     model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).cuda()
-    expected = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
+    expected = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=16,
+                               do_sample=False)[0, len(p):].tolist()
                 for p in prompts]
     del model
     llm = LLM(qwen3_dir, attn_backend=backend, dtype="float32", skip_tokenizer_init=True,
               gpu_memory_utilization=0.5, max_num_seqs=8, max_model_len=2048)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)
     assert [o["token_ids"] for o in outs] == expected
 
 
 def test_kv_cache_respects_memory_fraction(qwen3_dir):
-    llm = LLM(qwen3_dir, attn_backend="triton", skip_tokenizer_init=True, gpu_memory_utilization=0.5,
-              max_model_len=4096)
+    llm = LLM(qwen3_dir, attn_backend="triton", skip_tokenizer_init=True,
+              gpu_memory_utilization=0.5, max_model_len=4096)
     llm.generate([[1] * 1000] * 64, SamplingParams(max_tokens=64, ignore_eos=True), use_tqdm=False)
     free, total = torch.cuda.mem_get_info()
     assert llm.model_runner.kv_cache.shape[2] > 0
-    assert total - free <= 0.5 * total * 1.02, f"{(total - free) / 2**30:.1f} GiB used of {total / 2**30:.1f}"
+    assert total - free <= 0.5 * total * 1.02, \
+        f"{(total - free) / 2**30:.1f} GiB used of {total / 2**30:.1f}"
 
 
 def test_shutdown_frees_the_gpu_for_the_next_engine(qwen3_dir):
@@ -109,7 +118,8 @@ def test_shutdown_frees_the_gpu_for_the_next_engine(qwen3_dir):
     for backend in ["triton"] + BACKENDS[2:] + ["triton"]:  # flash (piecewise graphs) if installed
         llm = LLM(qwen3_dir, attn_backend=backend, skip_tokenizer_init=True, max_model_len=2048,
                   gpu_memory_utilization=0.5, dtype="bfloat16")
-        llm.generate([[1] * 300] * 8, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+        llm.generate([[1] * 300] * 8, SamplingParams(max_tokens=16, ignore_eos=True),
+                     use_tqdm=False)
         blocks.append(llm.model_runner.kv_cache.shape[2])
         llm.shutdown()
         del llm
@@ -145,11 +155,14 @@ def test_decode_graphs_sample_as_eager_steps(qwen3_dir):
     """A decode graph fills its placeholders and ends with the logits, and plain sampling runs in a
     graph of its own (worker/cuda_graphs.py). At a temperature so low that sampling takes the
     argmax, graph steps give eager greedy steps' tokens: with every row plain (sampled by the
-    sampler graphs) and with a seeded row among them (sampled eagerly from the graph's logits)."""
+    sampler graphs) and with a seeded row among them (sampled eagerly from the graph's logits).
+    (SAMPLING_EPS is the lowest temperature that samples; below it a request is greedy.)"""
+    from nanovllm.sampling_params import SAMPLING_EPS
     random.seed(4)
     prompts = [[random.randrange(1000, 20000) for _ in range(n)] for n in (40, 300, 7, 120)]
-    greedy, cold = (SamplingParams(temperature=t, max_tokens=24, ignore_eos=True) for t in (0, 1e-6))
-    seeded = SamplingParams(temperature=1e-6, max_tokens=24, ignore_eos=True, seed=3)
+    greedy, cold = (SamplingParams(temperature=t, max_tokens=24, ignore_eos=True)
+                    for t in (0, SAMPLING_EPS))
+    seeded = SamplingParams(temperature=SAMPLING_EPS, max_tokens=24, ignore_eos=True, seed=3)
     tokens, samplers = [], []
     for eager, params in ((True, [greedy] * 4), (False, [cold] * 4), (False, [cold, seeded] * 2)):
         llm = LLM(qwen3_dir, attn_backend="triton", skip_tokenizer_init=True, dtype="float32",

@@ -524,7 +524,7 @@ def test_interrupted_generate_keeps_requests_queued_before_it(tiny, monkeypatch)
 @pytest.mark.parametrize("seed", ["1234", 1.5, b"7", True])
 def test_seed_must_be_an_integer(seed):
     """Before: a string seed went through hash(), different in every process; 1.5 was accepted."""
-    with pytest.raises(TypeError, match=r"^seed=.* must be of type int \| None"):
+    with pytest.raises(TypeError, match=r"^seed=.* must be None or an integer in"):
         SamplingParams(seed=seed)
 
 
@@ -564,10 +564,10 @@ def test_model_without_tokenizer_fails_at_construction(tiny_path):
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
-    ({"temperature": "0.5"}, TypeError, "temperature='0.5' must be a finite number >= 0"),
-    ({"temperature": float("inf")}, ValueError, "temperature=inf must be a finite number >= 0"),
+    ({"temperature": "0.5"}, TypeError, "temperature='0.5' must be a number in [0, 3.4e38]"),
+    ({"temperature": float("inf")}, ValueError, "temperature=inf must be a number in [0, 3.4e38]"),
     ({"stop_token_ids": 5}, TypeError, "stop_token_ids=5 must be a list of token ids"),
-    ({"seed": 1.5}, TypeError, "seed=1.5 must be of type int | None"),
+    ({"seed": 1.5}, TypeError, "seed=1.5 must be None or an integer in [-2**63, 2**64)"),
 ])
 def test_bad_sampling_params_name_the_argument(kwargs, error, message):
     """Before: '>=' not supported between 'str' and 'int'; 'int' object is not iterable; inf and

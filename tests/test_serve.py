@@ -292,6 +292,19 @@ def test_engine_flags_come_from_config():
         build_parser().parse_args(["m", "--attn-backend", "nope"])
 
 
+def test_engine_choices_made_for_you_are_auto():
+    """Config's "" (the engine chooses) is "auto" on the command line. Before: --help showed an
+    empty choice, {,flash,triton,sdpa}."""
+    from nanovllm.serve.cli import build_parser, engine_options
+    help = build_parser().format_help()
+    assert "--attn-backend {auto,flash,triton,sdpa}" in help and "{auto,cuda,cpu}" in help
+    assert "{," not in help
+    args = build_parser().parse_args(["m", "--attn-backend", "auto", "--device", "auto"])
+    assert engine_options(args) == {"attn_backend": "", "device": ""}
+    args = build_parser().parse_args(["m", "--dtype", "auto", "--attn-backend", "sdpa"])
+    assert engine_options(args) == {"dtype": "auto", "attn_backend": "sdpa"}
+
+
 def test_console_command():
     from nanovllm.cli import main
     assert main([]) == 2 and main(["generate"]) == 2

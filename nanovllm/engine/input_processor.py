@@ -1,6 +1,9 @@
 """Input processing (vLLM v1's processor): a request's prompt and sampling parameters, validated and
 tokenized into its first Sequence, before anything is queued. A request that could never run is
-refused here, with the numbers, rather than failing later inside a step."""
+refused here, with the numbers, rather than failing later inside a step it would share with other
+requests: every value that lands in a step's tensors is bounded, by SamplingParams or here against
+the model. A text far too long is refused by its length before it is tokenized, and nothing here
+touches the engine's state, so a server may run it on a thread of its own (nanovllm/serve/)."""
 import os
 
 from nanovllm.config import Config
@@ -20,11 +23,21 @@ def load_tokenizer(model: str):
     return AutoTokenizer.from_pretrained(model)
 
 
+def longest_token(tokenizer) -> int:
+    """The most characters a token of the vocabulary stands for, or more: a token's own string
+    (byte-level BPE: a character per byte; SentencePiece: its piece) is at least as long as its
+    text."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
 class InputProcessor:
     def __init__(self, config: Config, tokenizer, num_kvcache_blocks: int):
         self.config = config
         self.tokenizer = tokenizer
         self.num_kvcache_blocks = num_kvcache_blocks
+        # a text longer than this is more than max_model_len tokens: refused without tokenizing it
+        longest = longest_token(tokenizer) if tokenizer is not None else 1
+        self.max_prompt_chars = config.max_model_len * longest
 
     def make_sequence(self, prompt, params: SamplingParams | None, beam_width: int = 0) -> Sequence:
         """Validate one request and build its (root) sequence: a prompt is a string, a list of token
@@ -39,6 +52,10 @@ class InputProcessor:
             what = f"stop={params.stop}" if params.stop else "a text prompt"
             raise ValueError(f"{what} needs the tokenizer: use token ids (stop_token_ids), "
                              "or drop skip_tokenizer_init")
+        if text is not None and len(text) > self.max_prompt_chars:
+            raise ValueError(f"prompt has {len(text)} characters: more than max_model_len="
+                             f"{self.config.max_model_len} tokens can hold ({self.max_prompt_chars}"
+                             " characters at most)")
         if text is not None:
             prompt = self.tokenizer.encode(text)
         if not isinstance(prompt, (list, tuple)) or not set(map(type, prompt)) <= {int}:
@@ -52,6 +69,11 @@ class InputProcessor:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs={params.logprobs} is more than the vocabulary size {vocab}")
+        if params.top_k > vocab:
+            raise ValueError(f"top_k={params.top_k} must be -1 or 0 (all tokens) or an integer in "
+                             f"[1, {vocab}] (the vocabulary size)")
+        if bad := [t for t in params.stop_token_ids if t >= vocab]:
+            raise ValueError(f"stop_token_ids={bad[:5]} are outside the vocabulary [0, {vocab})")
         width = max(params.n, beam_width)  # sequences the request may run at once
         if width > self.config.max_num_seqs:
             raise ValueError(f"the request runs {width} sequences at once (n or beam_width) but "

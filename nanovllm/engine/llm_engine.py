@@ -77,11 +77,20 @@ class LLMEngine(AbstractContextManager):
                     request_id: int | str | None = None) -> int | str:
         """Queue a request (a string, token ids, or {"prompt": ...} / {"prompt_token_ids": ...});
         returns its id. A request that can never run is a ValueError, and nothing is queued."""
+        self.check_open(request_id)
+        return self.queue(self.input_processor.make_sequence(prompt, sampling_params), request_id)
+
+    def check_open(self, request_id: int | str | None = None):
+        """A RuntimeError once the engine is shut down; a ValueError for a request id in use."""
+        if self.model_runner is None:
+            raise RuntimeError("the engine was shut down")
         if request_id is not None and request_id in self.requests:
             raise ValueError(f"request_id={request_id!r} is already queued")
-        return self._queue(self.input_processor.make_sequence(prompt, sampling_params), request_id)
 
-    def _queue(self, seq: Sequence, request_id: int | str | None = None) -> int | str:
+    def queue(self, seq: Sequence, request_id: int | str | None = None) -> int | str:
+        """Queue a sequence that the input processor made (`make_sequence`, which a server runs on
+        a thread of its own); returns the request's id."""
+        self.check_open(request_id)
         seq.request_id = seq.seq_id if request_id is None else request_id
         self.requests[seq.request_id] = seq
         self.scheduler.waiting.append(seq)

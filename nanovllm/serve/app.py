@@ -6,8 +6,10 @@ A gate in front of every route answers before any body is read: 503 while the se
 without the API key (compared in constant time; `/health` stays open), 413 for a body declared
 larger than the limit. A handler then reads the body (413 if it grows past the limit), checks it
 (nanovllm/serve/protocol.py: 400 naming the field), refuses it with 503 and `Retry-After` when too
-many requests wait, and hands it to the engine thread (nanovllm/serve/engine_thread.py). A client
-that goes away, streamed or not, has its requests aborted and their KV blocks freed.
+many requests wait, and hands it to the engine thread (nanovllm/serve/engine_thread.py). A chat's
+template and every prompt's tokenizing run on worker threads, off the event loop and the engine
+thread: a long prompt, or a refused one, delays no step. A client that goes away, streamed or not,
+has its requests aborted and their KV blocks freed.
 """
 import asyncio
 import hmac
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from nanovllm.serve.engine_thread import EngineFailure, EngineThread, merge
 from nanovllm.serve.protocol import (
@@ -27,12 +30,15 @@ from nanovllm.serve.protocol import (
     chat_request,
     completion_request,
     parse_json,
+    short,
 )
 from nanovllm.serve.responses import DONE, Choices
 
 log = logging.getLogger("nanovllm.serve")
-ENGINE_REFUSALS = (("prompt", "prompt"), ("the request needs", "max_tokens"),  # message -> field
-                   ("the request runs", "n"), ("logprobs", "logprobs"))
+ENGINE_REFUSALS = (("prompt", "prompt"), ("a prompt", "prompt"),  # message -> field
+                   ("the request needs", "max_tokens"), ("the request runs", "n"),
+                   ("logprobs", "logprobs"), ("top_k", "top_k"),
+                   ("stop_token_ids", "stop_token_ids"))
 
 
 @dataclass
@@ -79,7 +85,9 @@ class Gate:
 
 
 def authorized(header: bytes, key: str) -> bool:
-    return hmac.compare_digest(header, b"Bearer " + key.encode())
+    """Whether the header is 'Bearer KEY' (the scheme in any case: RFC 9110, section 11.1)."""
+    scheme, _, token = header.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.lstrip(b" "), key.encode())
 
 
 def declared_length(headers: dict) -> int:
@@ -130,20 +138,25 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request):
         body = await read_json(request, state)
         req = chat_request(body, state.llm.config.max_model_len)
-        return await serve(request, state, req, [chat_prompt(state.llm, req.prompts[0])], "chat",
-                           "chatcmpl")
+        prompt = await asyncio.to_thread(chat_prompt, state.llm, req.prompts[0])  # not on the loop
+        return await serve(request, state, req, [prompt], "chat", "chatcmpl")
     return app
 
 
 async def read_json(request: Request, state: ServerState) -> dict:
     """The body, read up to the limit (a body sent in chunks declares no length), as JSON."""
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > state.max_body_bytes:
-            raise too_large(state.max_body_bytes)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > state.max_body_bytes:
+                raise too_large(state.max_body_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:  # nobody will read the answer (the server may have hung up on it)
+        raise APIError(400, "the client went away before sending the whole body") from None
     body = parse_json(b"".join(chunks))
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise APIError(400, f"'model' must be a string, not {short(body['model'])}", "model")
     if body.get("model") not in (None, state.model_name):
         raise APIError(404, f"the model {str(body['model'])[:100]!r} does not exist; this server "
                        f"serves {state.model_name!r}", "model", type="not_found_error")

@@ -5,11 +5,13 @@ Every engine option is a flag generated from Config (`--attn-backend triton`,
 `--no-enable-prefix-caching`), its help text taken from Config's own comments, so a new option
 needs no edit here. On SIGTERM or SIGINT the server stops accepting (new calls get 503), gives the
 calls in flight a grace period (a second signal cuts it short), aborts the rest (their blocks
-freed: streams end with finish_reason "abort" and [DONE], whole answers get 503), prints the
-engine's figures and exits with status 0.
+freed: streams end with finish_reason "abort" and [DONE], whole answers get 503), hangs up on
+clients that still send or read nothing, prints the engine's figures and exits with status 0,
+less than a second after the grace period.
 """
 import argparse
 import asyncio
+import gc
 import inspect
 import ipaddress
 import json
@@ -24,6 +26,9 @@ from dataclasses import MISSING, fields
 from nanovllm.config import Config
 
 SERVER_ONLY = {"model", "hf_config", "torch_dtype"}  # Config fields that are not flags
+# Config fields whose "" lets the engine choose: "auto" on the command line
+AUTO = [f.name for f in fields(Config) if typing.get_origin(f.type) is typing.Literal
+        and typing.get_args(f.type)[0] == ""]
 log = logging.getLogger("nanovllm.serve")
 
 
@@ -44,12 +49,17 @@ def add_engine_flags(parser: argparse.ArgumentParser):
             continue
         flag = "--" + f.name.replace("_", "-")
         default = None if f.default is MISSING else f.default
+        default = "auto" if default == "" and f.name in AUTO else default
         allowed = f.metadata["rule"][1] + "; " if "rule" in f.metadata else ""  # utils/checks.py
-        help = f"{comments.get(f.name, '')} ({allowed}default: {default!r})".lstrip()
+        comment = comments.get(f.name, "")
+        comment = comment.replace('"":', "auto:", 1) if f.name in AUTO else comment
+        help = f"{comment} ({allowed}default: {default!r})".lstrip()
         choices = None
         kind = f.type.__args__[0] if isinstance(f.type, types.UnionType) else f.type
         if typing.get_origin(f.type) is typing.Literal:  # a flag of strings: None is its absence
             choices, kind = [c for c in typing.get_args(f.type) if c is not None], str
+            if f.name in AUTO:
+                choices = ["auto", *choices[1:]]
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help,
                                default=argparse.SUPPRESS)
@@ -88,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_options(args: argparse.Namespace) -> dict:
     """The engine flags given on the command line, as Config options."""
     names = {f.name for f in fields(Config)} - SERVER_ONLY
-    return {name: value for name, value in vars(args).items() if name in names}
+    return {name: "" if name in AUTO and value == "auto" else value
+            for name, value in vars(args).items() if name in names}
 
 
 def check_server_args(args: argparse.Namespace):
@@ -128,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         llm.shutdown()
     print(f"nanovllm: stopped; engine figures: {json.dumps(stats)}", flush=True)
+    gc.freeze()  # the interpreter's exit then skips collecting torch's objects: a second saved
     return 0
 
 
@@ -141,7 +153,7 @@ async def serve(llm, args, api_key: str | None, name: str) -> dict:
     state = ServerState(llm, engine, name, api_key, args.max_body_bytes, args.max_waiting_requests)
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port, lifespan="off",
                             log_level=args.log_level, access_log=args.access_log,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=1)
     server = GracefulServer(config, state, args.grace_period)
     engine.start()
     try:
@@ -176,8 +188,17 @@ class GracefulServer:
                 log.info("stopping: %d requests in flight get %.0f s", state.num_active,
                          grace_period)
                 await self.until_idle(grace_period)
-                await state.engine.abort_all()
-                await self.until_idle(5.0)  # aborted calls write their last bytes
+                # what is left of the stop takes less than a second, whatever the clients do
+                try:
+                    await asyncio.wait_for(state.engine.abort_all(), 0.3)  # after its step
+                except asyncio.TimeoutError:
+                    log.warning("the engine did not abort its requests within 0.3 s")
+                await self.until_idle(0.1)  # aborted calls write their last bytes
+                stalled = list(self.server_state.connections)  # clients that send or read no more
+                if stalled:
+                    log.info("stopping: hanging up on %d connections", len(stalled))
+                for connection in stalled:
+                    connection.transport.abort()
                 self.should_exit = True
 
             async def until_idle(self, seconds: float):

@@ -1,12 +1,13 @@
 """The one thread that owns the engine (vLLM's AsyncLLMEngine, in a thread instead of a process).
 
 HTTP handlers run on the asyncio event loop; the engine is not thread-safe and its step blocks, so
-it lives in a thread of its own. Handlers hand it commands (add a request, abort one, call a
-function) through a locked list; the thread runs them between steps, so requests from every HTTP
-client join the same steps (continuous batching across clients). Each step's outputs go back to
-the loop in one `call_soon_threadsafe`, onto each request's asyncio.Queue. With nothing to run the
-thread sleeps on a Condition: an idle server uses no CPU. An exception in a command fails that
-command's caller; one in a step fails the requests the engine holds, and the engine serves on.
+it lives in a thread of its own. Prompts are tokenized on worker threads, never on this one.
+Handlers hand it commands (add a request, abort one, call a function) through a locked list; the
+thread runs them between steps, so requests from every HTTP client join the same steps (continuous
+batching across clients). Each step's outputs go back to the loop in one `call_soon_threadsafe`,
+onto each request's asyncio.Queue. With nothing to run the thread sleeps on a Condition: an idle
+server uses no CPU. An exception in a command fails that command's caller; one in a step fails the
+requests the engine holds, and the engine serves on.
 """
 import asyncio
 import logging
@@ -63,24 +64,36 @@ class EngineThread:
         return future
 
     async def add(self, request_ids: list[str], prompts: list, params, queue: asyncio.Queue):
-        """Queue one request per prompt, all or none (a ValueError or TypeError says why)."""
-        def add_all():
-            added = []
-            try:
-                for request_id, prompt in zip(request_ids, prompts):
-                    self.llm.add_request(prompt, params, request_id)
-                    added.append(request_id)
-            except BaseException:
-                for request_id in added:
-                    self.llm.abort_request(request_id)
-                raise
-            for request_id in added:
-                self.queues[request_id] = queue
+        """Queue one request per prompt, all or none (a ValueError or TypeError says why). The
+        prompts are checked and tokenized on a worker thread (the input processor touches no engine
+        state): a long prompt, or one refused, costs the requests already running no step. They
+        count as waiting from the call on (`num_adding`)."""
+        make = self.llm.input_processor.make_sequence
         self.num_adding += len(prompts)
         try:
-            await self.call(add_all)
+            seqs = await asyncio.to_thread(lambda: [make(prompt, params) for prompt in prompts])
+            await self.call(lambda: self.queue_all(request_ids, seqs, queue))
+        except asyncio.CancelledError:  # the caller went away: what may have been queued goes
+            self.abort(request_ids)
+            raise
         finally:
             self.num_adding -= len(prompts)
+
+    def queue_all(self, request_ids: list[str], seqs: list, queue: asyncio.Queue):
+        """Queue the sequences (on the engine thread), all or none; count them as waiting before
+        the caller stops counting them as being added."""
+        added = []
+        try:
+            for request_id, seq in zip(request_ids, seqs):
+                self.llm.queue(seq, request_id)
+                added.append(request_id)
+        except BaseException:
+            for request_id in added:
+                self.llm.abort_request(request_id)
+            raise
+        for request_id in added:
+            self.queues[request_id] = queue
+        self.num_waiting = len(self.llm.scheduler.waiting)
 
     def abort(self, request_ids, notify: bool = False):
         """Abort requests wherever they are, freeing their blocks; with notify, their queues get a

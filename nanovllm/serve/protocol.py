@@ -58,14 +58,14 @@ SAMPLING = {  # field: (test, what is allowed); None is always allowed and means
     "temperature": (lambda v: is_number(v) and 0 <= v <= 2, "a number in [0, 2]"),
     "top_p": (lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
     "n": (lambda v: is_int(v) and 1 <= v <= 128, "an integer in [1, 128]"),
-    "seed": (lambda v: is_int(v) and -2**63 <= v < 2**64, "an integer"),
+    "seed": (lambda v: is_int(v) and -2**63 <= v < 2**64, "an integer in [-2**63, 2**64)"),
     "stop": (lambda v: (isinstance(v, str) and v) or (is_str_list(v) and len(v) <= 16),
              "a non-empty string or a list of at most 16"),
     "presence_penalty": (lambda v: is_number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
     "frequency_penalty": (lambda v: is_number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
     "top_k": (lambda v: is_int(v) and v >= -1, "-1, 0 (all tokens) or a positive integer"),
     "min_p": (lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
-    "repetition_penalty": (lambda v: is_number(v) and 0 < v <= 10, "a number in (0, 10]"),
+    "repetition_penalty": (lambda v: is_number(v) and 1e-3 <= v <= 10, "a number in [0.001, 10]"),
     "min_tokens": (lambda v: is_int(v) and v >= 0, "an integer >= 0"),
     "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
     "stop_token_ids": (lambda v: is_token_list(v) and len(v) <= 64, "a list of token ids"),
@@ -119,7 +119,23 @@ def parse_json(body: bytes):
         raise APIError(400, f"the body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(value, dict):
         raise APIError(400, f"the body must be a JSON object, not {type(value).__name__}")
+    for name, field in value.items():  # JSON's "\ud800" escape: a str no tokenizer can encode
+        if not is_unicode(name):
+            raise APIError(400, "a field's name holds a lone surrogate (\\ud800 to \\udfff): "
+                           "not Unicode text")
+        if not is_unicode(field):
+            raise APIError(400, f"'{name[:64]}' holds a lone surrogate (\\ud800 to \\udfff): "
+                           "not Unicode text", name[:64])
     return value
+
+
+def is_unicode(value) -> bool:
+    """Whether every string in a parsed JSON value is Unicode text (UTF-8 encodes it)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def short(value) -> str:
@@ -163,8 +179,6 @@ def sampling_params(body: dict, max_tokens, num_logprobs: int | None, output_kin
                                             "stop_token_ids", "skip_special_tokens", "stop")
               if body.get(name) is not None}
     fields["max_tokens"] = max_tokens
-    if fields.get("seed") is not None:
-        fields["seed"] %= 2**63  # the engine seeds a generator with a non-negative 64-bit int
     try:
         return SamplingParams(logprobs=num_logprobs, output_kind=output_kind, **fields)
     except (TypeError, ValueError) as e:
