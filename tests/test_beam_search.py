@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nanovllm import SamplingParams
-from tests.sharing_helpers import BLOCK_SIZE, build_tiny_llama, make_llm
+from tests.sharing_helpers import build_tiny_llama, make_llm
 
 EOS = 3
 

@@ -6,6 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the quick subset, -m "not slow", leaves it out
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -9,6 +9,8 @@ from nanovllm import SamplingParams
 from nanovllm.sampling_params import FLOAT32_MAX, SAMPLING_EPS
 from tests.helpers import make_llm
 
+pytestmark = pytest.mark.slow  # the quick subset, -m "not slow", leaves it out
+
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
 

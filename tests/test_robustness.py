@@ -540,6 +540,7 @@ print("TOKENS", llm.generate([[5, 17, 33, 2, 99]], params, use_tqdm=False)[0].ou
 """
 
 
+@pytest.mark.slow
 def test_same_seed_same_tokens_in_separate_processes(tiny_path, tiny):
     """The same integer seed draws the same tokens in two processes (hash randomization differing)
     and in this one."""
@@ -675,6 +676,7 @@ def test_triton_on_cpu_without_interpreter_is_refused_at_build(tiny_path):
     assert last.startswith("ValueError") and "TRITON_INTERPRET=1" in last and "sdpa" in last, last
 
 
+@pytest.mark.slow
 def test_cpu_bench_command_runs():
     """The README's CPU benchmark, smaller. Before: prompts of randint(100, --max-input-len)
     tokens, an empty range below 100 (ValueError: empty range for randrange())."""
@@ -688,6 +690,7 @@ def test_cpu_bench_command_runs():
     assert row.startswith("| sdpa | ") and int(row.split("|")[2]) == 4 * 8  # 4 requests of 8 tokens
 
 
+@pytest.mark.slow
 def test_cpu_bench_repeats_each_configuration():
     """--repeat: every configuration runs again in a fresh engine; the medians come last."""
     command = [sys.executable, "bench.py", "--attn-backend", "sdpa", "--arch", "SmolLM2-135M",

@@ -177,6 +177,7 @@ def kernel_draws(temperatures: torch.Tensor, logits: torch.Tensor, seed: int = 0
     return gumbel_max_sample(logits.to(device), temperatures.to(device), seed, block=block).cpu()
 
 
+@pytest.mark.slow
 def test_kernel_follows_the_distribution():
     """The kernel draws a chunk of the vocabulary by its share of the probability, then a token inside it. Chunks of
     4 tokens: the first holds one likely token and three impossible ones (-inf), the second four less likely ones.
@@ -189,6 +190,7 @@ def test_kernel_follows_the_distribution():
     assert torch.allclose(freq, expected, atol=0.05), (freq, expected)
 
 
+@pytest.mark.slow
 def test_kernel_greedy_rows_seeds_and_dtypes():
     logits = torch.randn(6, 37)  # a vocabulary that is not a multiple of the chunk
     temps = torch.tensor([0.0, 1.0, 0.0, 2.0, 0.0, 1.0])
@@ -201,6 +203,7 @@ def test_kernel_greedy_rows_seeds_and_dtypes():
     assert kernel_draws(temps, half, seed=5)[::2].tolist() == half.float().argmax(-1)[::2].tolist()
 
 
+@pytest.mark.slow
 def test_kernel_seed_from_torchs_generator_and_out():
     """Without a seed the kernel draws one from torch's generator on the logits' device (so a CUDA
     graph draws anew each replay, worker/cuda_graphs.py): new noise each call, the same after the

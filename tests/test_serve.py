@@ -13,6 +13,8 @@ import pytest
 from tests.helpers import FRANCE, FRANCE_ANSWER
 from tests.serve_helpers import KEY, SMALL_ENGINE, Server, sse_events
 
+pytestmark = pytest.mark.slow  # the quick subset, -m "not slow", leaves it out
+
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")

@@ -10,6 +10,8 @@ import pytest
 
 from tests.serve_helpers import SMALL_ENGINE, Server, build_random_smol
 
+pytestmark = pytest.mark.slow  # the quick subset, -m "not slow", leaves it out
+
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 

@@ -18,6 +18,8 @@ import pytest
 
 from tests.serve_helpers import SMALL_ENGINE, Server, build_random_smol, sse_events
 
+pytestmark = pytest.mark.slow  # the quick subset, -m "not slow", leaves it out
+
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 hypothesis = pytest.importorskip("hypothesis")
