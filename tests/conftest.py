@@ -1,11 +1,14 @@
-"""Shared fixtures: every engine and model is built once per session, as the suite runs on a few shared CPU cores."""
+"""Shared fixtures: every engine and model is built once per session, as the suite runs on a few
+shared CPU cores."""
 import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # Triton kernels run in its interpreter; this must precede any import of triton,
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # and importing nanovllm imports it (torch.compile in layers/fused.py)
+# Triton kernels run in its interpreter; this must precede any import of triton, and importing
+# nanovllm imports it (torch.compile in layers/fused.py)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.helpers import build_random_checkpoint, make_llm  # noqa: E402
 
@@ -23,7 +26,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def random_checkpoint(tmp_path_factory):
-    """random_checkpoint(name) -> (model dir, HF model) of tests.helpers.RANDOM_MODELS[name], built once."""
+    """random_checkpoint(name) -> (model dir, HF model) of tests.helpers.RANDOM_MODELS[name],
+    built once."""
     built = {}
 
     def get(name: str):

@@ -1,4 +1,5 @@
-"""Teacher-forced logits through the real engine path (scheduler, chunked prefill, prefix cache, CUDA graphs).
+"""Teacher-forced logits through the real engine path (scheduler, chunked prefill, prefix cache,
+CUDA graphs).
 
 Sampling is replaced by the next token of a fixed sequence, so the logits of two implementations
 can be compared position by position even where greedy decoding of near-flat logits would diverge.
@@ -10,7 +11,8 @@ from nanovllm.worker.step_inputs import step_inputs
 
 
 def engine_logits(llm, sequences: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:
-    """For each sequence, the logits [len - prompt_len, vocab] predicting tokens prompt_len.. of it."""
+    """For each sequence, the logits [len - prompt_len, vocab] predicting tokens
+    prompt_len.. of it."""
     seqs = []
     for tokens, p in zip(sequences, prompt_lens):
         params = SamplingParams(max_tokens=len(tokens) - p, ignore_eos=True)
@@ -21,7 +23,8 @@ def engine_logits(llm, sequences: list[list[int]], prompt_lens: list[int]) -> li
     rows = {seq.seq_id: [] for seq, _ in seqs}
     while llm.scheduler.has_unfinished():
         batch = llm.scheduler.schedule()
-        logits = llm.model_runner.execute(step_inputs(batch, llm.config.kvcache_block_size)).float().cpu()
+        logits = llm.model_runner.execute(
+            step_inputs(batch, llm.config.kvcache_block_size)).float().cpu()
         forced = [full[seq.seq_id][position] for seq, _, position in batch.sampled]
         for seq, row, _ in batch.sampled:
             rows[seq.seq_id].append(logits[row])

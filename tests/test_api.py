@@ -1,4 +1,5 @@
-"""The public surface on SmolLM2: stopping rules, output order, per-prompt parameters, add_request + step.
+"""The public surface on SmolLM2: stopping rules, output order, per-prompt parameters,
+add_request + step.
 
 Expected outputs are derived from an unconstrained greedy run of the same engine, except the one
 known answer to the France question.
@@ -45,8 +46,10 @@ def test_stop_string_ends_the_text_before_it(llm, prompts, full):
 def test_first_of_several_stop_strings_wins(llm, prompts, full):
     text = full[1]["text"]
     early, late = text.split()[2], text.split()[5]
-    out, = llm.generate(prompts[1:2], greedy(stop=[late, early, "no such text here"]), use_tqdm=False)
-    assert out["text"] == text[:min(text.index(early), text.index(late))] and out["finish_reason"] == "stop"
+    out, = llm.generate(prompts[1:2], greedy(stop=[late, early, "no such text here"]),
+                        use_tqdm=False)
+    assert (out["text"] == text[:min(text.index(early), text.index(late))]
+            and out["finish_reason"] == "stop")
 
 
 def test_stop_string_that_never_appears(llm, prompts, full):
@@ -71,7 +74,8 @@ def test_max_tokens_ends_with_length(llm, prompts, full):
 def test_ignore_eos_runs_past_eos(llm, prompts, full):
     answer = full[0]["token_ids"]
     assert answer[-1] in llm.output_processor.eos_token_ids
-    out, = llm.generate(prompts[:1], greedy(max_tokens=len(answer) + 6, ignore_eos=True), use_tqdm=False)
+    out, = llm.generate(prompts[:1], greedy(max_tokens=len(answer) + 6, ignore_eos=True),
+                        use_tqdm=False)
     assert out["token_ids"][:len(answer)] == answer
     assert len(out["token_ids"]) == len(answer) + 6 and out["finish_reason"] == "length"
     assert out["text"].startswith(FRANCE_ANSWER)  # special tokens are not in the text
@@ -90,14 +94,19 @@ def test_outputs_come_back_in_input_order(llm, prompts, full):
 
 
 def test_per_prompt_sampling_params(llm, prompts, full):
-    params = [greedy(stop=["Paris"]), greedy(max_tokens=4), greedy(stop_token_ids=[full[2]["token_ids"][1]]),
+    params = [greedy(stop=["Paris"]), greedy(max_tokens=4),
+              greedy(stop_token_ids=[full[2]["token_ids"][1]]),
               SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert outputs[0]["text"] == "The capital of France is " and outputs[0]["finish_reason"] == "stop"
-    assert outputs[1]["token_ids"] == full[1]["token_ids"][:4] and outputs[1]["finish_reason"] == "length"
-    assert outputs[2]["token_ids"] == full[2]["token_ids"][:2] and outputs[2]["finish_reason"] == "stop"
+    assert (outputs[0]["text"] == "The capital of France is "
+            and outputs[0]["finish_reason"] == "stop")
+    assert (outputs[1]["token_ids"] == full[1]["token_ids"][:4]
+            and outputs[1]["finish_reason"] == "length")
+    assert (outputs[2]["token_ids"] == full[2]["token_ids"][:2]
+            and outputs[2]["finish_reason"] == "stop")
     assert len(outputs[3]["token_ids"]) == 10
-    assert outputs[3]["token_ids"] == llm.generate(prompts[3:], params[3], use_tqdm=False)[0]["token_ids"]
+    assert (outputs[3]["token_ids"]
+            == llm.generate(prompts[3:], params[3], use_tqdm=False)[0]["token_ids"])
 
 
 def test_add_request_and_step_equal_generate(llm, prompts, full):
@@ -122,8 +131,8 @@ def test_repeated_prompt_is_served_from_the_prefix_cache(llm, prompts):
     """Real weights: the second run of a prompt reuses its blocks and answers the same."""
     n = len(llm.tokenizer.encode(prompts[0]))
     outputs = [llm.generate(prompts[:1], greedy(), use_tqdm=False)[0] for _ in range(2)]
-    assert outputs[1]["num_cached_tokens"] == min(n // llm.config.kvcache_block_size * llm.config.kvcache_block_size,
-                                                  n - 1)
+    assert outputs[1]["num_cached_tokens"] == min(
+        n // llm.config.kvcache_block_size * llm.config.kvcache_block_size, n - 1)
     assert outputs[0]["text"] == outputs[1]["text"] == FRANCE_ANSWER
 
 

@@ -1,6 +1,6 @@
-"""Beam search: the same beams and scores as transformers' `generate(num_beams=w)`, the exact top-w of an
-exhaustive enumeration when the beam is wide enough to keep every prefix, greedy at width 1, and beams
-sharing their blocks through fork and copy-on-write."""
+"""Beam search: the same beams and scores as transformers' `generate(num_beams=w)`, the exact top-w
+of an exhaustive enumeration when the beam is wide enough to keep every prefix, greedy at width 1,
+and beams sharing their blocks through fork and copy-on-write."""
 import itertools
 import random
 
@@ -19,7 +19,8 @@ def vocab32(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("vocab32"))
     hf_model = build_tiny_llama(path, vocab_size=32, eos_token_id=EOS)
     with torch.no_grad():
-        hf_model.lm_head.weight[EOS] *= 2  # more beams end early, so the early-stopping rule matters
+        # more beams end early, so the early-stopping rule matters
+        hf_model.lm_head.weight[EOS] *= 2
     hf_model.save_pretrained(path)
     return make_llm(path), hf_model
 
@@ -33,8 +34,9 @@ def hf_beam_search(model, prompt, beam_width, max_tokens, length_penalty):
     """transformers' beams (EOS kept, padding dropped) and their scores, best first."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=beam_width, do_sample=False,
-                             num_return_sequences=beam_width, max_new_tokens=max_tokens, early_stopping=False,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=beam_width,
+                             do_sample=False, num_return_sequences=beam_width,
+                             max_new_tokens=max_tokens, early_stopping=False,
                              length_penalty=length_penalty, eos_token_id=EOS, pad_token_id=EOS,
                              return_dict_in_generate=True, output_scores=True)
     beams = [row[len(prompt):].tolist() for row in out.sequences]
@@ -42,13 +44,15 @@ def hf_beam_search(model, prompt, beam_width, max_tokens, length_penalty):
     return beams, out.sequences_scores.tolist()
 
 
-# (2, 2.0, 10) and (2, 1.0, 10) stop early on some prompts: they fail without transformers' early-stopping rule
-@pytest.mark.parametrize("beam_width, length_penalty, max_tokens", [(2, 1.0, 6), (3, 0.5, 6), (4, 2.0, 6),
-                                                                    (2, 2.0, 10), (2, 1.0, 10)])
+# (2, 2.0, 10) and (2, 1.0, 10) stop early on some prompts: they fail without transformers'
+# early-stopping rule
+@pytest.mark.parametrize("beam_width, length_penalty, max_tokens",
+                         [(2, 1.0, 6), (3, 0.5, 6), (4, 2.0, 6), (2, 2.0, 10), (2, 1.0, 10)])
 def test_beams_equal_transformers_beam_search(vocab32, beam_width, length_penalty, max_tokens):
     llm, hf_model = vocab32
     batch = prompts(6, (3, 40), vocab=32, seed=0)
-    results = llm.beam_search(batch, beam_width=beam_width, max_tokens=max_tokens, length_penalty=length_penalty)
+    results = llm.beam_search(batch, beam_width=beam_width, max_tokens=max_tokens,
+                              length_penalty=length_penalty)
     for prompt, beams in zip(batch, results):
         expected, scores = hf_beam_search(hf_model, prompt, beam_width, max_tokens, length_penalty)
         assert [b["token_ids"] for b in beams] == expected
@@ -69,8 +73,8 @@ def test_eos_finishes_some_beams(vocab32):
 
 
 def test_wide_beam_finds_the_exact_top_w_of_all_continuations(tmp_path):
-    """With w = V^(k-1) beams nothing is ever pruned, so beam search must return the exact top w of all V^k
-    continuations, enumerated here with one batched forward of transformers."""
+    """With w = V^(k-1) beams nothing is ever pruned, so beam search must return the exact top w of
+    all V^k continuations, enumerated here with one batched forward of transformers."""
     vocab, steps, width = 6, 3, 36
     hf_model = build_tiny_llama(str(tmp_path), vocab_size=vocab, seed=1)
     llm = make_llm(str(tmp_path), max_num_seqs=width)
@@ -98,7 +102,8 @@ def test_beam_width_one_is_greedy(tmp_path):
 
 
 def test_beams_share_the_prompt_blocks(vocab32):
-    """Peak KV-block use of a 4-beam search over a 64-token prompt stays far below 4 private copies."""
+    """Peak KV-block use of a 4-beam search over a 64-token prompt stays far below
+    4 private copies."""
     llm, _ = vocab32
     prompt = prompts(1, (64, 64), vocab=32, seed=3)[0]  # 4 full blocks
     peak, schedule = [0], llm.scheduler.schedule
@@ -108,7 +113,8 @@ def test_beams_share_the_prompt_blocks(vocab32):
         peak[0] = max(peak[0], len(llm.block_manager.blocks) - llm.block_manager.num_free_blocks)
         if batch.num_new_tokens.count(1) == len(batch.seqs):
             live = [s for s in llm.scheduler.running if s.beam_width]
-            assert all(llm.block_manager.blocks[b].ref_count == len(live) for b in live[0].block_table[:4])
+            assert all(llm.block_manager.blocks[b].ref_count == len(live)
+                       for b in live[0].block_table[:4])
         return batch
     llm.scheduler.schedule = recording
     try:

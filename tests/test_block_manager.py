@@ -18,7 +18,8 @@ def seq_of(tokens) -> Sequence:
 
 
 def compute(bm: BlockManager, seq: Sequence, num_tokens: int | None = None):
-    """Pretend a forward step computed the K/V of the sequence's first num_tokens tokens (default: all)."""
+    """Pretend a forward step computed the K/V of the sequence's first num_tokens tokens
+    (default: all)."""
     seq.num_computed_tokens = len(seq) if num_tokens is None else num_tokens
     bm.cache_computed_blocks(seq, seq.num_computed_tokens)
 
@@ -241,7 +242,8 @@ def test_taking_a_block_forgets_what_it_cached():
 
 
 def test_hash_collision_is_not_a_hit():
-    """Python hashes 0 and 2**61 - 1 alike, so these blocks' keys collide: the dict compares them."""
+    """Python hashes 0 and 2**61 - 1 alike, so these blocks' keys collide:
+    the dict compares them."""
     m = 2**61 - 1
     assert hash((None, (0, 0, 0, 0))) == hash((None, (m, m, m, m)))
     bm = BlockManager(10, BS)
@@ -274,13 +276,15 @@ def test_equal_blocks_computed_twice_both_lead_to_hits():
 # ---------- O(1) per block ----------
 
 def test_operations_do_not_scan_the_pool():
-    """Allocating and freeing costs the same with 100,000 blocks as with 400 (a list scan would not)."""
+    """Allocating and freeing costs the same with 100,000 blocks as with 400
+    (a list scan would not)."""
     def cost(num_blocks: int) -> float:
         bm = BlockManager(num_blocks, BS)
         shared = seq_of(range(16))
         bm.allocate(shared)
         compute(bm, shared)
-        bm.free(shared)  # its cached blocks now sit in the free list: hits remove them from the middle
+        # its cached blocks now sit in the free list: hits remove them from the middle
+        bm.free(shared)
         start = time.perf_counter()
         for i in range(300):
             s = seq_of(list(range(16)) + list(range(10_000 + i * 40, 10_040 + i * 40)))

@@ -105,7 +105,8 @@ def test_unknown_option(llm, france, smollm2_dir):
     (dict(max_num_seqs=65536), "max_num_seqs"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"), (dict(dtype="float8"), "dtype"),
     (dict(num_kvcache_blocks=0), "num_kvcache_blocks"), (dict(load_format="pt"), "load_format"),
-    (dict(attn_backend="paged"), "attn_backend"), (dict(tensor_parallel_size=0), "tensor_parallel_size"),
+    (dict(attn_backend="paged"), "attn_backend"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size"),
 ])
 def test_bad_option_values(llm, france, tiny_path, options, name):
     with pytest.raises(ValueError, match=f"^{name}="):
@@ -133,8 +134,8 @@ def test_missing_weights(llm, france, tiny_path, tmp_path):
 
 
 def test_unsupported_architecture(llm, france, tmp_path):
-    config = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=512, n_embd=64, n_layer=2,
-                  n_head=4, n_positions=1024)
+    config = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=512, n_embd=64,
+                  n_layer=2, n_head=4, n_positions=1024)
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError) as err:
         LLM(str(tmp_path), skip_tokenizer_init=True, load_format="dummy", num_kvcache_blocks=8)
@@ -152,7 +153,8 @@ def test_flash_backend_without_flash_attn(llm, france, tiny_path):
 
 
 def test_text_without_tokenizer(tiny_path):
-    """Text prompts and stop strings need the tokenizer: refused at add time, nothing left queued."""
+    """Text prompts and stop strings need the tokenizer: refused at add time,
+    nothing left queued."""
     tiny = make_llm(tiny_path, num_kvcache_blocks=8)
     with pytest.raises(ValueError, match="tokenizer"):
         tiny.generate(["hello"], GREEDY, use_tqdm=False)

@@ -72,7 +72,8 @@ def test_uploads_of_a_run_read_back_as_to_tensors(tmp_path):
         ids, positions, meta = unpack(flat, layout, step_sizes(step), step.num_decodes, step)
         want_ids, want_positions, want, want_rows = to_tensors(step, torch.device("cpu"))
         assert ids.tolist() == want_ids.tolist() and positions.tolist() == want_positions.tolist()
-        for name in ("slot_mapping", "cu_seqlens_q", "cu_seqlens_k", "context_lens", "block_tables"):
+        for name in ("slot_mapping", "cu_seqlens_q", "cu_seqlens_k", "context_lens",
+                     "block_tables"):
             assert getattr(meta, name).tolist() == getattr(want, name).tolist(), name
         assert flat[len(flat) - len(step.sample_rows):].tolist() == want_rows.tolist()
         kinds.add(decode)

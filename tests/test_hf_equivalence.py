@@ -11,16 +11,17 @@ import os
 import pytest
 import torch
 
-from tests.helpers import (FRANCE, FRANCE_ANSWER, GREEDY, RANDOM_MODELS, chat, hf_greedy, make_llm, random_prompts,
-                           until_eos)
+from tests.helpers import (FRANCE, FRANCE_ANSWER, GREEDY, RANDOM_MODELS, chat, hf_greedy, make_llm,
+                           random_prompts, until_eos)
 
 pytestmark = pytest.mark.slow  # the quick subset, -m "not slow", leaves it out
 
 MAX_NEW = GREEDY.max_tokens
 
-STORY = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He wound the clockwork, "
-         "trimmed the wick and polished the great lens until it shone. Ships passing the rocky cape "
-         "relied on its beam to find the harbor. One stormy night in November, the lamp went out. ")
+STORY = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. "
+         "He wound the clockwork, trimmed the wick and polished the great lens until it shone. "
+         "Ships passing the rocky cape relied on its beam to find the harbor. "
+         "One stormy night in November, the lamp went out. ")
 NUMBERS = " ".join(f"{i} plus one is {i + 1}." for i in range(1, 40))
 
 
@@ -29,7 +30,8 @@ def smollm2_prompts(tokenizer) -> list[list[int]]:
              "Explain in two sentences what a hash table is."]
     raws = ["The quick brown fox", "Once upon a time, in a small village by the sea,",
             STORY + "The keeper", STORY * 3 + "What did the keeper do next?", NUMBERS]
-    return [tokenizer.encode(chat(tokenizer, q)) for q in chats] + [tokenizer.encode(t) for t in raws]
+    return ([tokenizer.encode(chat(tokenizer, q)) for q in chats]
+            + [tokenizer.encode(t) for t in raws])
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +69,8 @@ def test_random_model_matches_transformers(name, random_checkpoint):
 
 
 def test_random_checkpoints_cover_what_they_claim(random_checkpoint):
-    """The parametrized comparison above only means something if the checkpoints hold these features."""
+    """The parametrized comparison above only means something if the checkpoints
+    hold these features."""
     def config(name):
         path = random_checkpoint(name)[0]
         with open(os.path.join(path, "config.json")) as f:
@@ -83,7 +86,8 @@ def test_random_checkpoints_cover_what_they_claim(random_checkpoint):
     assert llama3["rope_parameters"]["rope_type"] == "llama3"
     _, tied = config("llama_tied")
     assert tied["architectures"] == ["LlamaForCausalLM"] and tied["tie_word_embeddings"]
-    # llama3 rope scaling changes this model's greedy output: a backend that ignored it would fail above
+    # llama3 rope scaling changes this model's greedy output: a backend that ignored it would
+    # fail above
     path, hf_model = random_checkpoint("llama3")
     plain = type(hf_model)(type(hf_model.config)(**{**hf_model.config.to_dict(),
                                                    "rope_parameters": {"rope_type": "default",

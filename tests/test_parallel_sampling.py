@@ -1,5 +1,6 @@
-"""Parallel sampling (n > 1): the prompt's blocks are shared by fork, a shared last block is copied on
-write, and every sample's KV stays its own (checked through its log-probabilities against transformers)."""
+"""Parallel sampling (n > 1): the prompt's blocks are shared by fork, a shared last block is copied
+on write, and every sample's KV stays its own (checked through its log-probabilities against
+transformers)."""
 import random
 
 import pytest
@@ -60,7 +61,8 @@ def test_copy_on_write_copies_a_shared_partial_block_once_per_extra_writer():
     assert bm.append_blocks(child) == [(shared, child.block_table[2])]
     assert child.block_table[:2] == parent.block_table[:2] and child.block_table[2] != shared
     assert bm.blocks[shared].ref_count == 1
-    assert bm.append_blocks(parent) == [] and parent.block_table[2] == shared  # no one else holds it now
+    # no one else holds it now
+    assert bm.append_blocks(parent) == [] and parent.block_table[2] == shared
     assert [bm.blocks[b].ref_count for b in parent.block_table[:2]] == [2, 2]
 
 
@@ -69,7 +71,8 @@ def test_a_full_shared_block_is_never_copied():
     parent = computed(bm, list(range(8)))  # exactly 2 full blocks
     child = fork(parent, bm)
     child.token_ids.append(1)
-    assert bm.num_blocks_to_append([child]) == 1 and bm.append_blocks(child) == []  # a new block, no copy
+    # a new block, no copy
+    assert bm.num_blocks_to_append([child]) == 1 and bm.append_blocks(child) == []
     assert child.block_table[:2] == parent.block_table
 
 
@@ -78,7 +81,8 @@ def test_a_full_shared_block_is_never_copied():
 def test_prompt_blocks_are_shared_and_the_partial_block_copied_on_write(model):
     llm, _ = model
     prompt = prompts(1, (40, 40), seed=1)[0]  # blocks: 16 + 16 + 8 tokens
-    llm.add_request(prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=4, ignore_eos=True))
+    llm.add_request(prompt,
+                    SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=4, ignore_eos=True))
     free = llm.block_manager.num_free_blocks
     llm.step()  # prefill once, fork 3 children
     samples = list(llm.scheduler.running)
@@ -89,7 +93,8 @@ def test_prompt_blocks_are_shared_and_the_partial_block_copied_on_write(model):
     assert free - llm.block_manager.num_free_blocks == 3  # the prompt's blocks, once
     llm.step()  # the first decode step
     batch, _ = llm.in_flight
-    assert len(batch.copies) == 3 and {src for src, _ in batch.copies} == {table[2]}  # 3 copy, the 4th keeps it
+    # 3 copy, the 4th keeps it
+    assert len(batch.copies) == 3 and {src for src, _ in batch.copies} == {table[2]}
     assert [llm.block_manager.blocks[b].ref_count for b in table[:2]] == [4, 4]
     assert len({s.block_table[2] for s in samples}) == 4
     while not llm.is_finished():
@@ -99,11 +104,12 @@ def test_prompt_blocks_are_shared_and_the_partial_block_copied_on_write(model):
 
 @pytest.mark.parametrize("prompt_len", [21, 32])
 def test_every_sample_keeps_its_own_kv(model, prompt_len):
-    """Each sample's log-probabilities equal transformers' on prompt + that sample's tokens: a write into
-    a block another sample still reads (no copy-on-write) would change them."""
+    """Each sample's log-probabilities equal transformers' on prompt + that sample's tokens: a write
+    into a block another sample still reads (no copy-on-write) would change them."""
     llm, hf_model = model
     prompt = prompts(1, (prompt_len, prompt_len), seed=prompt_len)[0]
-    params = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=20, ignore_eos=True, logprobs=3)
+    params = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=20, ignore_eos=True,
+                            logprobs=3)
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     assert len(out["outputs"]) == 4
     for sample in out["outputs"]:
@@ -115,7 +121,8 @@ def test_every_sample_keeps_its_own_kv(model, prompt_len):
         for step, lp in zip(ref, sample["logprobs"]):
             top = step.topk(3)
             assert set(top.indices.tolist()) <= set(lp)
-            torch.testing.assert_close(torch.tensor([lp[t] for t in top.indices.tolist()]), top.values, atol=1e-4, rtol=0)
+            torch.testing.assert_close(torch.tensor([lp[t] for t in top.indices.tolist()]),
+                                       top.values, atol=1e-4, rtol=0)
 
 
 def test_seeded_samples_reproduce_and_differ(model):
@@ -124,13 +131,16 @@ def test_seeded_samples_reproduce_and_differ(model):
     params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
     first = llm.generate([prompt], params, use_tqdm=False)[0]
     samples = [o["token_ids"] for o in first["outputs"]]
-    assert len({tuple(s) for s in samples}) == 4  # 12 tokens from 300: distinct seeds give distinct samples
+    # 12 tokens from 300: distinct seeds give distinct samples
+    assert len({tuple(s) for s in samples}) == 4
     assert first["token_ids"] == samples[0] and first["finish_reason"] == "length"
-    crowd = [SamplingParams(temperature=0.8, max_tokens=5), params, SamplingParams(n=2, temperature=1.0, max_tokens=7)]
+    crowd = [SamplingParams(temperature=0.8, max_tokens=5), params,
+             SamplingParams(n=2, temperature=1.0, max_tokens=7)]
     again = llm.generate([others[0], prompt, others[1]], crowd, use_tqdm=False)
     assert [o["token_ids"] for o in again[1]["outputs"]] == samples
     assert len(again[2]["outputs"]) == 2 and len(again[0]["outputs"]) == 1
-    other_seed = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=12, max_tokens=12, ignore_eos=True),
+    other_seed = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=12, max_tokens=12,
+                                                       ignore_eos=True),
                               use_tqdm=False)[0]
     assert [o["token_ids"] for o in other_seed["outputs"]] != samples
 
@@ -138,18 +148,21 @@ def test_seeded_samples_reproduce_and_differ(model):
 def test_greedy_samples_equal_greedy_decoding(model):
     llm, _ = model
     prompt = prompts(1, (25, 25), seed=13)[0]
-    greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]["token_ids"]
-    out = llm.generate([prompt], SamplingParams(n=3, temperature=0, max_tokens=10), use_tqdm=False)[0]
+    greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10),
+                          use_tqdm=False)[0]["token_ids"]
+    out = llm.generate([prompt], SamplingParams(n=3, temperature=0, max_tokens=10),
+                       use_tqdm=False)[0]
     assert [o["token_ids"] for o in out["outputs"]] == [greedy] * 3
 
 
 def test_logprobs_zero_reports_the_chosen_token_only(model):
     llm, _ = model
-    out = llm.generate([prompts(1, (9, 9), seed=17)[0]], SamplingParams(temperature=0, max_tokens=4, logprobs=0),
-                       use_tqdm=False)[0]
+    out = llm.generate([prompts(1, (9, 9), seed=17)[0]],
+                       SamplingParams(temperature=0, max_tokens=4, logprobs=0), use_tqdm=False)[0]
     assert [list(lp) for lp in out["logprobs"]] == [[t] for t in out["token_ids"]]
     assert all(lp[t] <= 0 for t, lp in zip(out["token_ids"], out["logprobs"]))
-    assert llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)[0]["logprobs"] is None
+    assert llm.generate([[1, 2]], SamplingParams(max_tokens=2),
+                        use_tqdm=False)[0]["logprobs"] is None
 
 
 @pytest.mark.parametrize("kwargs, name, error", [
@@ -167,8 +180,10 @@ def test_requests_that_cannot_fit_are_refused_with_the_reason(model):
     with pytest.raises(ValueError, match="max_num_seqs"):
         llm.generate([[1, 2]], SamplingParams(n=llm.config.max_num_seqs + 1), use_tqdm=False)
     blocks = len(llm.block_manager.blocks)
-    with pytest.raises(ValueError, match="KV-cache blocks"):  # n copies of its longest state must fit
-        llm.generate([[1, 2]], SamplingParams(n=blocks // 2 + 1, max_tokens=2 * BLOCK_SIZE - 2), use_tqdm=False)
+    # n copies of its longest state must fit
+    with pytest.raises(ValueError, match="KV-cache blocks"):
+        llm.generate([[1, 2]], SamplingParams(n=blocks // 2 + 1, max_tokens=2 * BLOCK_SIZE - 2),
+                     use_tqdm=False)
     assert llm.generate([[1, 2]], SamplingParams(n=2, max_tokens=3), use_tqdm=False)[0]["outputs"]
 
 

@@ -1,5 +1,5 @@
-"""Penalties and min_tokens against references nobody here wrote: transformers' logits processors and
-generate(), and OpenAI's documented formula."""
+"""Penalties and min_tokens against references nobody here wrote: transformers' logits processors
+and generate(), and OpenAI's documented formula."""
 import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
@@ -27,7 +27,8 @@ def test_repetition_penalty_equals_transformers_processor(penalty):
     histories = [torch.randint(VOCAB, (n,)).tolist() for n in (7, 12, 3)]
     logits = torch.randn(3, VOCAB) * 3
     rows = rows_of(histories, [4, 5, 3], repetition_penalty=penalty)
-    got = penalties.apply(logits, rows, [len(h) for h in histories], set(), torch.zeros(1, dtype=torch.int64))
+    got = penalties.apply(logits, rows, [len(h) for h in histories], set(),
+                          torch.zeros(1, dtype=torch.int64))
     for i, h in enumerate(histories):
         ref = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([h]), logits[i:i + 1].clone())
         assert torch.equal(got[i:i + 1], ref)
@@ -48,7 +49,8 @@ def test_presence_and_frequency_penalties_follow_openai():
 def test_placeholders_are_filled_from_the_last_step():
     """The last token may still be on the GPU: its placeholder -(r + 1) takes last_tokens[r]."""
     logits = torch.zeros(1, VOCAB)
-    rows = rows_of([[1, 2, -2]], [2], frequency_penalty=1.0)  # the output's one token: row 1 of the last step
+    # the output's one token: row 1 of the last step
+    rows = rows_of([[1, 2, -2]], [2], frequency_penalty=1.0)
     got = penalties.apply(logits, rows, [3], set(), torch.tensor([4, 11]))[0]
     assert got[11] == -1 and (got != 0).sum() == 1
 
@@ -69,8 +71,9 @@ def test_engine_repetition_penalty_matches_transformers_generate(random_checkpoi
                                                      repetition_penalty=1.8), use_tqdm=False)
         ids = torch.tensor([prompt])
         with torch.inference_mode():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                              repetition_penalty=1.8, pad_token_id=0)[0, len(prompt):].tolist()
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                              do_sample=False, repetition_penalty=1.8,
+                              pad_token_id=0)[0, len(prompt):].tolist()
         assert out["token_ids"] == ref
 
 
@@ -80,6 +83,7 @@ def test_min_tokens_in_the_engine(random_checkpoint):
     prompt = random_prompts(1, (8, 8), seed=6)[0]
     free, = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     stop = free["token_ids"][1]  # greedy would stop at its second token
-    out, = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop],
-                                                 min_tokens=5), use_tqdm=False)
+    out, = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12,
+                                                 stop_token_ids=[stop], min_tokens=5),
+                        use_tqdm=False)
     assert len(out["token_ids"]) >= 5 and stop not in out["token_ids"][:4]

@@ -1,6 +1,7 @@
 """Preemption by recomputation, chunked prefill and admission control: outputs never change.
 
-Every run is compared with the same model on an unconstrained engine (a large cache and token budget).
+Every run is compared with the same model on an unconstrained engine
+(a large cache and token budget).
 """
 import pytest
 
@@ -35,7 +36,8 @@ def test_seeded_sampling_survives_preemption(tiny_path, reference):
     """A seeded request draws the same tokens when it is preempted and recomputed on the way."""
     llm = make_llm(tiny_path, num_kvcache_blocks=8)
     prompts = random_prompts(6, (10, 50), seed=50)
-    params = [SamplingParams(temperature=1.0, top_p=0.95, seed=i, max_tokens=40, ignore_eos=True) for i in range(6)]
+    params = [SamplingParams(temperature=1.0, top_p=0.95, seed=i, max_tokens=40, ignore_eos=True)
+              for i in range(6)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.scheduler.num_preemptions > 0
     assert token_ids(outputs) == expected(reference, prompts, params)
@@ -67,7 +69,8 @@ def record_batches(llm) -> list:
 @pytest.mark.parametrize("budget", [1, 16, 40])
 def test_chunked_prefill_keeps_outputs(tiny_path, reference, budget):
     llm = make_llm(tiny_path, max_num_batched_tokens=budget)
-    assert llm.config.max_num_batched_tokens == max(budget, BLOCK_SIZE)  # clamped to one block at least
+    # clamped to one block at least
+    assert llm.config.max_num_batched_tokens == max(budget, BLOCK_SIZE)
     batches = record_batches(llm)
     prompts = random_prompts(1, (100, 100), seed=43) + random_prompts(4, (30, 120), seed=44)
     prompts.append(prompts[0][:64] + prompts[1][:20])  # a prefix hit, then a chunked rest
@@ -92,7 +95,8 @@ def test_chunked_prefill_and_preemption_together(tiny_path, reference):
 def test_max_model_len_ends_with_length(tiny_path, reference):
     llm = make_llm(tiny_path, max_model_len=64)
     prompt, = random_prompts(1, (50, 50), seed=45)
-    out, = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)
+    out, = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+                        use_tqdm=False)
     assert out["finish_reason"] == "length"
     assert len(out["token_ids"]) == 64 - 50
     assert out["token_ids"] == expected(reference, [prompt])[0][:14]
@@ -101,7 +105,8 @@ def test_max_model_len_ends_with_length(tiny_path, reference):
 def test_request_that_can_never_fit_is_refused(tiny_path, reference):
     llm = make_llm(tiny_path, num_kvcache_blocks=8, max_model_len=256)
     prompts = random_prompts(2, (100, 100), seed=46)
-    with pytest.raises(ValueError, match="blocks"):  # 100 + 40 tokens need 9 blocks of 16; the cache has 8
+    # 100 + 40 tokens need 9 blocks of 16; the cache has 8
+    with pytest.raises(ValueError, match="blocks"):
         llm.generate(prompts[:1], PARAMS, use_tqdm=False)
     with pytest.raises(ValueError, match="blocks"):
         llm.add_request(prompts[0], PARAMS)
@@ -121,4 +126,5 @@ def test_max_num_seqs_caps_every_batch(tiny_path, reference):
     outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
     assert token_ids(outputs) == expected(reference, prompts)
     assert max(len(ids) for _, ids, _ in batches) == 3
-    assert max(len(ids) for is_prefill, ids, _ in batches if is_prefill) == 3  # the first prefill fills the cap
+    # the first prefill fills the cap
+    assert max(len(ids) for is_prefill, ids, _ in batches if is_prefill) == 3

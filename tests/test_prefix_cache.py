@@ -31,7 +31,8 @@ def test_shared_prefix_is_served_from_cache(cached, uncached):
     out_a, = run(cached, [a])
     out_b, = run(cached, [b])
     assert out_a["num_cached_tokens"] == 0
-    assert out_b["num_cached_tokens"] == len(prefix) // BLOCK_SIZE * BLOCK_SIZE  # the full blocks of the prefix
+    # the full blocks of the prefix
+    assert out_b["num_cached_tokens"] == len(prefix) // BLOCK_SIZE * BLOCK_SIZE
     assert token_ids([out_a, out_b]) == token_ids(run(uncached, [a, b]))
     assert all(o["num_cached_tokens"] == 0 for o in run(uncached, [a, b]))
 
@@ -42,7 +43,8 @@ def test_generated_tokens_are_cached_too(cached, uncached):
     first, = run(cached, [prompt])
     follow_up = prompt + first["token_ids"][:-1] + random_prompts(1, (9, 9), seed=12)[0]
     second, = run(cached, [follow_up])
-    computed = len(prompt) + len(first["token_ids"]) - 1  # the last sampled token was never fed back
+    # the last sampled token was never fed back
+    computed = len(prompt) + len(first["token_ids"]) - 1
     assert second["num_cached_tokens"] == computed // BLOCK_SIZE * BLOCK_SIZE
     assert second["token_ids"] == run(uncached, [follow_up])[0]["token_ids"]
 
@@ -58,7 +60,8 @@ def test_full_prefix_hit(cached, uncached, length):
 
 
 def test_shared_prefix_in_one_batch(cached, uncached):
-    """Several requests with one prefix in the same batch, then again: hits within and across batches."""
+    """Several requests with one prefix in the same batch, then again: hits within
+    and across batches."""
     prefix, = random_prompts(1, (70, 70), seed=20)
     prompts = [prefix + tail for tail in random_prompts(4, (1, 30), seed=21)]
     expected = token_ids(run(uncached, prompts))
@@ -96,7 +99,8 @@ def test_blocks_hit_in_the_step_that_computes_them(tiny_path, uncached):
     assert [o["num_cached_tokens"] for o in outputs] == [0] + [len(prefix)] * 3
 
 
-def test_a_step_that_fails_to_launch_leaves_no_blocks_in_the_cache(tiny_path, uncached, monkeypatch):
+def test_a_step_that_fails_to_launch_leaves_no_blocks_in_the_cache(tiny_path, uncached,
+                                                                   monkeypatch):
     """Its blocks were registered when it was scheduled, but their K/V were never computed: a later
     request must not hit them."""
     llm = make_llm(tiny_path)

@@ -39,7 +39,8 @@ def same(a: dict, b: dict):
         for (_, x), (_, y) in zip(a[i], b[i]):
             assert (x is None) == (y is None)
             for dx, dy in zip(x or [], y or []):
-                assert dx.keys() == dy.keys() and list(dx.values()) == pytest.approx(list(dy.values()), abs=1e-4)
+                assert (dx.keys() == dy.keys()
+                        and list(dx.values()) == pytest.approx(list(dy.values()), abs=1e-4))
 
 
 def test_cpu_defaults_to_the_plain_loop(tiny_path):

@@ -41,7 +41,8 @@ def test_temperature_zero_is_greedy_among_sampled_requests(qwen3):
 @pytest.mark.parametrize("truncation", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)],
                          ids=["top_k=1", "tiny_top_p", "min_p=1"])
 def test_truncation_to_one_token_equals_greedy(qwen3, truncation):
-    """Each truncation rule, at its extreme, leaves only the argmax: the engine must apply it to every row."""
+    """Each truncation rule, at its extreme, leaves only the argmax: the engine
+    must apply it to every row."""
     llm, _ = qwen3
     prompts = random_prompts(3, (5, 60), seed=51)
     greedy = token_ids(llm.generate(prompts, params(temperature=0), use_tqdm=False))
@@ -55,7 +56,8 @@ def test_same_seed_reproduces_whatever_else_is_in_the_batch(qwen3):
     seeded = params(temperature=1.0, top_k=50, seed=1234)
     alone = llm.generate([prompt], seeded, use_tqdm=False)[0]["token_ids"]
     crowd = [params(temperature=1.0), params(temperature=0.7, seed=5), params(temperature=0)]
-    batch = llm.generate(others[:1] + [prompt] + others[1:], [crowd[0], seeded, crowd[1], crowd[2]], use_tqdm=False)
+    batch = llm.generate(others[:1] + [prompt] + others[1:], [crowd[0], seeded, crowd[1], crowd[2]],
+                         use_tqdm=False)
     assert batch[1]["token_ids"] == alone
     assert llm.generate([prompt, prompt], [seeded, seeded], use_tqdm=False)[1]["token_ids"] == alone
 
@@ -66,7 +68,8 @@ def test_different_seeds_differ_and_no_seed_varies(qwen3):
     runs = [llm.generate([prompt], params(temperature=1.0, seed=s), use_tqdm=False)[0]["token_ids"]
             for s in (1, 2)]
     assert runs[0] != runs[1]
-    unseeded = [llm.generate([prompt], params(temperature=1.0), use_tqdm=False)[0]["token_ids"] for _ in range(2)]
+    unseeded = [llm.generate([prompt], params(temperature=1.0), use_tqdm=False)[0]["token_ids"]
+                for _ in range(2)]
     assert unseeded[0] != unseeded[1]
 
 
@@ -74,10 +77,12 @@ def test_engine_top_k_keeps_sampled_tokens_in_the_top_k(qwen3):
     """Teacher-check each sampled token against the model's own logits at that position."""
     llm, hf_model = qwen3
     prompt, = random_prompts(1, (20, 20), seed=54)
-    out = llm.generate([prompt], params(temperature=5.0, top_k=3, seed=0), use_tqdm=False)[0]["token_ids"]
+    out = llm.generate([prompt], params(temperature=5.0, top_k=3, seed=0),
+                       use_tqdm=False)[0]["token_ids"]
     with torch.inference_mode():
         logits = hf_model(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
-    ranks = (logits > logits.gather(1, torch.tensor(out)[:, None])).sum(1)  # how many tokens beat the sampled one
+    # how many tokens beat the sampled one
+    ranks = (logits > logits.gather(1, torch.tensor(out)[:, None])).sum(1)
     assert ranks.max() < 3
     assert ranks.max() > 0  # at temperature 5, not everything is the argmax
 
@@ -92,9 +97,12 @@ def draw(temperature=1.0, top_k=None, top_p=None, min_p=None, logits=None) -> to
     """Token frequencies [vocab] of DRAWS samples of one row (a batch of DRAWS copies)."""
     logits = (PROBS.log() if logits is None else logits).repeat(DRAWS, 1)
     full = lambda v, dtype: None if v is None else torch.full((DRAWS,), v, dtype=dtype)  # noqa: E731
-    truncation = Truncation(full(top_k, torch.int64), full(top_p, torch.float32), full(min_p, torch.float32))
-    t = SamplingTensors(temperatures=torch.full((DRAWS,), float(temperature)), seeds=[], all_greedy=False,
-                        truncation=truncation if (top_k, top_p, min_p) != (None, None, None) else None)
+    truncation = Truncation(full(top_k, torch.int64), full(top_p, torch.float32),
+                            full(min_p, torch.float32))
+    t = SamplingTensors(temperatures=torch.full((DRAWS,), float(temperature)), seeds=[],
+                        all_greedy=False,
+                        truncation=(truncation if (top_k, top_p, min_p) != (None, None, None)
+                                    else None))
     torch.manual_seed(0)
     tokens = sample(logits, t)
     return torch.bincount(tokens, minlength=len(PROBS)).float() / DRAWS
@@ -105,7 +113,8 @@ def assert_frequencies(freq: torch.Tensor, keep: list[int], probs: torch.Tensor 
     expected[keep] = probs[keep] / probs[keep].sum()
     outside = [i for i in range(len(probs)) if i not in keep]
     assert freq[outside].sum() == 0, freq  # never a token outside
-    assert torch.allclose(freq, expected, atol=0.015), (freq, expected)  # about 4 sigma at 20,000 draws
+    # about 4 sigma at 20,000 draws
+    assert torch.allclose(freq, expected, atol=0.015), (freq, expected)
 
 
 def test_plain_sampling_follows_the_distribution():
@@ -119,14 +128,16 @@ def test_temperature_reshapes_the_distribution():
 
 @pytest.mark.parametrize("top_p, nucleus", [(0.5, 2), (0.7, 3), (0.8, 4), (0.99, 8)])
 def test_top_p_keeps_only_the_nucleus(top_p, nucleus):
-    """The smallest set of most likely tokens whose probability reaches top_p (cumsum: .35 .60 .75 .85 ...)."""
+    """The smallest set of most likely tokens whose probability reaches top_p
+    (cumsum: .35 .60 .75 .85 ...)."""
     assert_frequencies(draw(top_p=top_p), list(range(nucleus)))
 
 
 def test_top_p_works_on_unsorted_logits():
     perm = torch.tensor([5, 2, 7, 0, 3, 6, 1, 4])
     freq = draw(top_p=0.7, logits=PROBS[perm].log())
-    keep = [int(i) for i in (perm[:, None] == torch.tensor([0, 1, 2])).nonzero()[:, 0]]  # where PROBS[0..2] landed
+    # where PROBS[0..2] landed
+    keep = [int(i) for i in (perm[:, None] == torch.tensor([0, 1, 2])).nonzero()[:, 0]]
     assert_frequencies(freq, sorted(keep), PROBS[perm])
 
 
@@ -142,8 +153,9 @@ def test_min_p_restricts(min_p, kept):
 
 
 def test_truncations_combine_in_order():
-    """min-p, then top-k, then top-p among what is left (as vLLM): top_k=3 leaves .35 .25 .15, i.e.
-    .47 .33 .20 renormalized, whose 0.7 nucleus is two tokens (on the full row it would be three)."""
+    """min-p, then top-k, then top-p among what is left (as vLLM): top_k=3 leaves .35 .25 .15,
+    i.e. .47 .33 .20 renormalized, whose 0.7 nucleus is two tokens
+    (on the full row it would be three)."""
     assert_frequencies(draw(top_k=3, top_p=0.7), [0, 1])
     assert_frequencies(draw(min_p=0.3, top_p=0.7), [0, 1])
     assert_frequencies(draw(top_k=3, min_p=0.2), [0, 1, 2])  # min-p alone would keep 4
@@ -152,7 +164,9 @@ def test_truncations_combine_in_order():
 def test_rows_are_independent_and_greedy_rows_take_the_argmax():
     logits = torch.randn(6, 100)
     t = SamplingTensors(temperatures=torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 1.0]), seeds=[(5, 77)],
-                        all_greedy=False, truncation=Truncation(torch.tensor([100, 1, 100, 100, 100, 100]), None, None))
+                        all_greedy=False,
+                        truncation=Truncation(torch.tensor([100, 1, 100, 100, 100, 100]), None,
+                                              None))
     tokens = sample(logits, t)
     argmax = logits.argmax(-1)
     assert tokens[[0, 2, 4, 1]].tolist() == argmax[[0, 2, 4, 1]].tolist()  # row 1: top_k=1
@@ -163,15 +177,18 @@ def test_rows_are_independent_and_greedy_rows_take_the_argmax():
 
 
 def test_greedy_rows_among_plain_temperature_rows_take_the_argmax():
-    """Rows with temperature 0 in a batch sampled without truncation or seeds (the one-pass path)."""
+    """Rows with temperature 0 in a batch sampled without truncation or seeds
+    (the one-pass path)."""
     logits = torch.randn(6, 100)
     t = SamplingTensors(temperatures=torch.tensor([0.0, 1.0] * 3), seeds=[], all_greedy=False)
     assert sample(logits, t)[::2].tolist() == logits.argmax(-1)[::2].tolist()
 
 
-# ---------- the CUDA sampling kernel (nanovllm/kernels/sample.py; Triton's interpreter on CPU) ----------
+# ---------- the CUDA sampling kernel ----------
+# (nanovllm/kernels/sample.py; Triton's interpreter on CPU)
 
-def kernel_draws(temperatures: torch.Tensor, logits: torch.Tensor, seed: int = 0, block: int = 8) -> torch.Tensor:
+def kernel_draws(temperatures: torch.Tensor, logits: torch.Tensor, seed: int = 0,
+                 block: int = 8) -> torch.Tensor:
     from nanovllm.kernels.sample import gumbel_max_sample
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return gumbel_max_sample(logits.to(device), temperatures.to(device), seed, block=block).cpu()
@@ -179,10 +196,11 @@ def kernel_draws(temperatures: torch.Tensor, logits: torch.Tensor, seed: int = 0
 
 @pytest.mark.slow
 def test_kernel_follows_the_distribution():
-    """The kernel draws a chunk of the vocabulary by its share of the probability, then a token inside it. Chunks of
-    4 tokens: the first holds one likely token and three impossible ones (-inf), the second four less likely ones.
-    Temperature 0.5 squares the probabilities: the first chunk's share is .64 (drawn by its largest logit, it would be
-    .88). 1,500 draws (the interpreter is slow), about 4 sigma."""
+    """The kernel draws a chunk of the vocabulary by its share of the probability, then a token
+    inside it. Chunks of 4 tokens: the first holds one likely token and three impossible ones
+    (-inf), the second four less likely ones. Temperature 0.5 squares the probabilities: the first
+    chunk's share is .64 (drawn by its largest logit, it would be .88). 1,500 draws (the
+    interpreter is slow), about 4 sigma."""
     draws, probs = 1500, torch.tensor([0.4, 0.0, 0.0, 0.0, 0.15, 0.15, 0.15, 0.15])
     tokens = kernel_draws(torch.full((draws,), 0.5), probs.log().repeat(draws, 1), block=4)
     freq = torch.bincount(tokens, minlength=len(probs)).float() / draws
@@ -210,7 +228,8 @@ def test_kernel_seed_from_torchs_generator_and_out():
     same manual_seed; the tokens go into `out` when it is given."""
     from nanovllm.kernels.sample import gumbel_max_sample
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    hot, row = torch.full((64,), 5.0, device=device), torch.randn(1, 37, device=device).repeat(64, 1)
+    hot, row = (torch.full((64,), 5.0, device=device),
+                torch.randn(1, 37, device=device).repeat(64, 1))
     torch.manual_seed(1)
     first = gumbel_max_sample(row, hot, block=8).tolist()
     out = torch.empty(64, dtype=torch.int64, device=device)

@@ -1,4 +1,5 @@
-"""Unit tests of the scheduler with a real block manager and fake model steps (no model involved)."""
+"""Unit tests of the scheduler with a real block manager and fake model steps
+(no model involved)."""
 from types import SimpleNamespace
 
 import pytest
@@ -12,8 +13,10 @@ from nanovllm.core.swap import Swapper
 BS = 4
 
 
-def make(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, prefix_caching=True, prefill_first=False):
-    config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+def make(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, prefix_caching=True,
+         prefill_first=False):
+    config = SimpleNamespace(max_num_seqs=max_num_seqs,
+                             max_num_batched_tokens=max_num_batched_tokens,
                              prefill_first=prefill_first)
     return Scheduler(config, BlockManager(num_blocks, BS, prefix_caching))
 
@@ -108,8 +111,8 @@ def test_chunked_prefill_of_a_long_prompt():
 
 
 def test_decodes_share_steps_with_a_long_prompt():
-    """A prompt that arrives while a sequence decodes is prefilled in chunks beside its decode steps:
-    the decode never stalls (Sarathi-Serve)."""
+    """A prompt that arrives while a sequence decodes is prefilled in chunks beside its decode
+    steps: the decode never stalls (Sarathi-Serve)."""
     sched = make(max_num_batched_tokens=8)
     old, = add(sched, 4)
     step(sched)
@@ -166,7 +169,8 @@ def test_preempted_sequence_recomputes_and_hits_its_own_cached_blocks():
     step(sched)   # s1 takes the free block; s2 needs one too: preempted
     assert list(sched.waiting) == [s2]
     sched.finish([s1])
-    batch = sched.schedule()  # s2 comes back: its 8 prompt tokens were registered, only the rest is computed
+    # s2 comes back: its 8 prompt tokens were registered, only the rest is computed
+    batch = sched.schedule()
     assert batch.seqs == [s2]
     assert batch.num_new_tokens == [1] and batch.starts == [8]
     assert s2.num_cached_tokens == 0  # the report is about the first admission only
@@ -186,19 +190,23 @@ def test_finish_frees_blocks_and_leaves_running():
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_sequence_preempted_before_its_last_token_is_read_finishes_cleanly(mode):
-    """The engine schedules step t+1 before it reads step t: a sequence preempted by step t+1 can turn out to have
-    ended at step t. Finishing it must take it out of the waiting queue (or the swapped groups) and free its blocks."""
+    """The engine schedules step t+1 before it reads step t: a sequence preempted by step t+1 can
+    turn out to have ended at step t. Finishing it must take it out of the waiting queue (or the
+    swapped groups) and free its blocks."""
     sched = make(num_blocks=4)
     bm = sched.block_manager
     if mode == "swap":
         sched.swap = Swapper(bm, 8)
     a, b = add(sched, 8, 8)  # two full blocks each: the whole cache
     prefill = sched.schedule()
-    assert [s.token_ids[8] for s in (a, b)] == [-1, -2]  # placeholders: rows 0 and 1 of the prefill's tokens
+    # placeholders: rows 0 and 1 of the prefill's tokens
+    assert [s.token_ids[8] for s in (a, b)] == [-1, -2]
     decode = sched.schedule()  # a's next token needs a third block: b, the newest, gives way
-    assert decode.seqs == [a] and b.status == (SequenceStatus.SWAPPED if mode == "swap" else SequenceStatus.WAITING)
+    assert decode.seqs == [a] and b.status == (SequenceStatus.SWAPPED if mode == "swap"
+                                               else SequenceStatus.WAITING)
     assert bool(decode.swap_out) == (mode == "swap")
     assert sched.update(prefill, [5, 6], None, lambda seq, position: seq is b) == [(a, 8), (b, 8)]
     assert b.token_ids[8] == 6 and b.is_finished  # token 6 ended b
-    assert not sched.waiting and not (sched.swap and sched.swap.swapped) and list(sched.running) == [a]
+    assert (not sched.waiting and not (sched.swap and sched.swap.swapped)
+            and list(sched.running) == [a])
     assert bm.num_free_blocks == 1 and (mode == "recompute" or len(sched.swap.free_cpu_blocks) == 8)

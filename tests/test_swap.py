@@ -1,5 +1,5 @@
-"""Swap preemption: a preempted group's blocks go to the CPU pool and come back without recomputation;
-outputs equal those of recomputation and of an unconstrained engine."""
+"""Swap preemption: a preempted group's blocks go to the CPU pool and come back without
+recomputation; outputs equal those of recomputation and of an unconstrained engine."""
 import random
 from collections import deque
 from types import SimpleNamespace
@@ -42,8 +42,10 @@ def run(llm, batch, params):
 
     def recording():
         batch = schedule()
-        stats["prefilled"] += sum(max(0, min(start + n, seq.num_prompt_tokens) - start)  # prompt tokens
-                                  for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens))
+        # prompt tokens
+        stats["prefilled"] += sum(max(0, min(start + n, seq.num_prompt_tokens) - start)
+                                  for seq, start, n in zip(batch.seqs, batch.starts,
+                                                           batch.num_new_tokens))
         swapped = llm.scheduler.swap.swapped if llm.scheduler.swap else []
         stats["swapped_group"] = max([stats["swapped_group"], *map(len, swapped)])
         return batch
@@ -76,9 +78,11 @@ def test_swap_and_recompute_give_the_same_tokens(path, reference, prefix_caching
 
 
 def test_sample_groups_are_swapped_whole_and_keep_their_kv(path, reference):
-    """n-sample requests under a tiny cache: the same tokens and log-probabilities as without pressure."""
+    """n-sample requests under a tiny cache: the same tokens and log-probabilities
+    as without pressure."""
     batch = prompts(3, (20, 40), seed=2)
-    params = SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=30, ignore_eos=True, logprobs=2)
+    params = SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=30, ignore_eos=True,
+                            logprobs=2)
     expected = reference.generate(batch, params, use_tqdm=False)
     swap = make_llm(path, num_kvcache_blocks=15, **SWAP)
     outputs, stats = run(swap, batch, params)
@@ -90,15 +94,18 @@ def test_sample_groups_are_swapped_whole_and_keep_their_kv(path, reference):
     assert swap.block_manager.num_free_blocks == 15
 
 
-@pytest.mark.parametrize("mode", [dict(preemption_mode="recompute"), SWAP], ids=["recompute", "swap"])
+@pytest.mark.parametrize("mode", [dict(preemption_mode="recompute"), SWAP],
+                         ids=["recompute", "swap"])
 def test_beam_search_under_preemption(path, reference, mode):
     batch = prompts(3, (20, 40), seed=3)
     expected = reference.beam_search(batch, beam_width=3, max_tokens=20)
     llm = make_llm(path, num_kvcache_blocks=12, **mode)
     beams = llm.beam_search(batch, beam_width=3, max_tokens=20)
     assert llm.scheduler.num_preemptions > 0
-    assert [[b["token_ids"] for b in r] for r in beams] == [[b["token_ids"] for b in r] for r in expected]
-    assert (llm.scheduler.swap is not None and llm.scheduler.swap.num_swapped_out_blocks > 0) == (mode is SWAP)
+    assert ([[b["token_ids"] for b in r] for r in beams]
+            == [[b["token_ids"] for b in r] for r in expected])
+    assert (llm.scheduler.swap is not None
+            and llm.scheduler.swap.num_swapped_out_blocks > 0) == (mode is SWAP)
     assert llm.block_manager.num_free_blocks == 12
 
 
@@ -115,15 +122,18 @@ def test_swap_out_and_in_keep_sharing_within_a_group():
     gpu_tables = [list(s.block_table) for s in group]
     out = ScheduledBatch()
     assert swapper.swap_out(group, out)
-    assert sorted(g for g, _ in out.swap_out) == sorted(set(gpu_tables[0] + gpu_tables[1]))  # 4 blocks, once each
+    # 4 blocks, once each
+    assert sorted(g for g, _ in out.swap_out) == sorted(set(gpu_tables[0] + gpu_tables[1]))
     assert bm.num_free_blocks == 8 and len(swapper.free_cpu_blocks) == 2
     assert parent.block_table[:2] == child.block_table[:2]  # the shared blocks share one CPU copy
     assert all(s.status == SequenceStatus.SWAPPED for s in group)
     other = Sequence(list(range(50, 62)), SamplingParams(), 4)
     assert bm.allocate(other)
-    assert not swapper.swap_out([other], out) and other.block_table  # 3 blocks, 2 CPU blocks free: it stays
+    # 3 blocks, 2 CPU blocks free: it stays
+    assert not swapper.swap_out([other], out) and other.block_table
     bm.free(other)
-    holder = Sequence(list(range(100, 120)), SamplingParams(), 4)  # 5 blocks: 3 stay free, the group needs 4
+    # 5 blocks: 3 stay free, the group needs 4
+    holder = Sequence(list(range(100, 120)), SamplingParams(), 4)
     assert bm.allocate(holder)
     sched = SimpleNamespace(running=deque())
     swapper.swap_in(sched, ScheduledBatch())
@@ -133,19 +143,22 @@ def test_swap_out_and_in_keep_sharing_within_a_group():
     swapper.swap_in(sched, back)
     assert list(sched.running) == group and len(back.swap_in) == 4
     assert len(swapper.free_cpu_blocks) == 6 and bm.num_free_blocks == 4
-    assert parent.block_table[:2] == child.block_table[:2] and parent.block_table[2] != child.block_table[2]
+    assert (parent.block_table[:2] == child.block_table[:2]
+            and parent.block_table[2] != child.block_table[2])
     assert [bm.blocks[b].ref_count for b in parent.block_table] == [2, 2, 1]
 
 
 def test_block_copies_move_the_right_data_in_the_right_order(path):
-    """Swap in, swap out, copy-on-write: each one index copy over all layers, in the order the scheduler made them."""
+    """Swap in, swap out, copy-on-write: each one index copy over all layers, in the order the
+    scheduler made them."""
     llm = make_llm(path, num_kvcache_blocks=8, **SWAP)
     kv, swap_space = llm.model_runner.kv_cache, llm.model_runner.swap_space
     kv.tensor.copy_(torch.randn_like(kv.tensor))
     before = kv.tensor.clone()
     swap_space.move([], [(1, 5), (2, 6)])
     assert torch.equal(swap_space.cpu_cache[:, :, [5, 6]], before[:, :, [1, 2]])
-    # CPU block 6 comes back into block 1 and is reused by block 3 going out; block 3 then takes a copy of block 1
+    # CPU block 6 comes back into block 1 and is reused by block 3 going out; block 3 then takes a
+    # copy of block 1
     swap_space.move([(6, 1)], [(3, 6)])
     kv.copy_blocks([(1, 3)])
     assert torch.equal(swap_space.cpu_cache[:, :, 6], before[:, :, 3])
@@ -166,8 +179,9 @@ def test_bad_swap_options_name_the_argument(path, options, name):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_stop_tokens_while_preempting_keep_outputs_and_free_everything(path, reference, mode):
-    """The engine reads a step's tokens after launching the next one, so a request can end (on a stop token, at any
-    step) after the next step took it or preempted it: same tokens as without pressure, and nothing left held."""
+    """The engine reads a step's tokens after launching the next one, so a request can end (on a
+    stop token, at any step) after the next step took it or preempted it: same tokens as without
+    pressure, and nothing left held."""
     batch = prompts(6, (10, 50), seed=7)
     free_run = reference.generate(batch, GREEDY, use_tqdm=False)
     stops = sorted({o["token_ids"][i] for o, i in zip(free_run, (3, 9, 17, 25, 33, 38))})

@@ -1,4 +1,5 @@
-"""The engine with attn_backend="triton" (our kernels, under TRITON_INTERPRET=1 on CPU) equals sdpa, token for token."""
+"""The engine with attn_backend="triton" (our kernels, under TRITON_INTERPRET=1 on CPU) equals sdpa,
+token for token."""
 import pytest
 
 from nanovllm import SamplingParams
@@ -12,7 +13,8 @@ pytestmark = pytest.mark.slow  # the quick subset, -m "not slow", leaves it out
 def test_triton_engine_equals_sdpa(random_checkpoint, name, options):
     path, _ = random_checkpoint(name)
     prompts = random_prompts(4, (1, 40), seed=3) + random_prompts(1, (20, 40), seed=4)
-    prompts.append(prompts[-1] + prompts[0])  # its first block (16 tokens) comes from the prefix cache
+    # its first block (16 tokens) comes from the prefix cache
+    prompts.append(prompts[-1] + prompts[0])
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outputs = {}
     for backend in ("sdpa", "triton"):
