@@ -95,7 +95,7 @@ def test_fused_decode_layer_same_tokens(random_checkpoint, name, monkeypatch):
     fused_forward = fused_decode.forward
     monkeypatch.setattr(fused_decode, "forward", forward)
     monkeypatch.setattr(fused_decode, "MAX_STEP_ROWS", MAX_ROWS)
-    fused = make_llm(path, attn_backend="sdpa", dtype="float32")
-    fused.model_runner.small_batch = fused_decode  # as on CUDA
+    fused = make_llm(path, attn_backend="sdpa", dtype="float32")  # (on CUDA its graphs hold it)
+    fused.model_runner.small_batch = fused_decode  # on CPU too
     assert token_ids(fused.generate(prompts, params, use_tqdm=False)) == expected
     assert calls  # the fused path ran

@@ -151,6 +151,19 @@ def test_penalties_in_cuda_graph_steps_equal_eager_steps(qwen3_dir):
     assert tokens[False, 1.3] != tokens[False, 1.0]
 
 
+def count_graph_draws(graphs) -> list:
+    """Wrap graphs.sample: the list grows by one for each step its sampler graphs draw."""
+    draws, sample = [], graphs.sample
+
+    def counted(logits, t):
+        tokens = sample(logits, t)
+        if tokens is not None:
+            draws.append(len(tokens))
+        return tokens
+    graphs.sample = counted
+    return draws
+
+
 def test_decode_graphs_sample_as_eager_steps(qwen3_dir):
     """A decode graph fills its placeholders and ends with the logits, and plain sampling runs in a
     graph of its own (worker/cuda_graphs.py). At a temperature so low that sampling takes the
@@ -167,9 +180,10 @@ def test_decode_graphs_sample_as_eager_steps(qwen3_dir):
     for eager, params in ((True, [greedy] * 4), (False, [cold] * 4), (False, [cold, seeded] * 2)):
         llm = LLM(qwen3_dir, attn_backend="triton", skip_tokenizer_init=True, dtype="float32",
                   enforce_eager=eager, max_model_len=1024, gpu_memory_utilization=0.3)
+        draws = None if eager else count_graph_draws(llm.model_runner.graphs)
         outs = llm.generate(prompts, params, use_tqdm=False)
         tokens.append([o.outputs[0].token_ids for o in outs])
-        samplers.append(len(llm.model_runner.graphs.samplers) if not eager else None)
+        samplers.append(None if eager else len(draws))
         llm.shutdown()
         del llm
         gc.collect()
@@ -194,7 +208,8 @@ def test_sampler_graph_draws_anew_and_by_the_distribution(qwen3_dir):
     graphs.sampleable = logits
     t = SamplingTensors(torch.tensor([0.0] + [1.0] * (n - 1), device="cuda"), [], False)
     draws = torch.stack([graphs.sample(logits, t).clone() for _ in range(2000)])
-    assert len(graphs.samplers) == 1 and (draws[:, 0] == 5).all()
+    assert set(graphs.samplers) == set(graphs.decode_sizes)  # all captured at start
+    assert (draws[:, 0] == 5).all()
     assert (draws[1:, 1:] != draws[:-1, 1:]).any(1).all()  # no two replays alike
     freq = torch.bincount(draws[:, 1:].flatten() - 7, minlength=3).float() / draws[:, 1:].numel()
     assert torch.allclose(freq, probs, atol=0.01), freq

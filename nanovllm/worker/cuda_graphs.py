@@ -151,7 +151,7 @@ class CUDAGraphs:
             ends_in_logits = whole and kind == "decode" and self.logits is not None
             forward = self.decode_forward(runner) if ends_in_logits else runner.forward
             graph = (FullGraph(forward, args, pool) if whole else
-                     PiecewiseGraph(runner.model, args, runner.kv_cache.attns, q, out, pool))
+                     PiecewiseGraph(runner.forward, args, runner.kv_cache.attns, q, out, pool))
             graph.sizes, graph.inputs, graph.ends_in_logits = sizes, inputs, ends_in_logits
             self.graphs[kind, size] = graph
             if ends_in_logits:  # its rows drawn by a sampling graph of the same size

@@ -13,7 +13,10 @@ class PiecewiseGraph:
     """A forward pass cut at its attention calls: one graph per piece, attention between them."""
     eager_attention = True  # CUDAGraphs.run hands it the step's metadata
 
-    def __init__(self, model, inputs: tuple, attns: list, q: torch.Tensor, out: torch.Tensor, pool):
+    def __init__(self, forward, inputs: tuple, attns: list, q: torch.Tensor, out: torch.Tensor,
+                 pool):
+        """forward(*inputs): the model runner's forward (the model, or its fused small-batch path);
+        attns: the model's attention layers, whose backend it stands in for while capturing."""
         self.q, self.out, self.pool = q, out, pool
         # layers: (attention layer, its backend) after each graph but the last
         self.graphs, self.layers = [], []
@@ -22,12 +25,12 @@ class PiecewiseGraph:
             attn.backend = self  # the stand-in that cuts (see forward)
         try:
             self.capturing = False
-            model(*inputs)  # warm up
+            forward(*inputs)  # warm up
             self.capturing = True
             torch.cuda.synchronize()
             with torch.cuda.stream(torch.cuda.Stream()):
                 self._begin()
-                self.hidden = model(*inputs)
+                self.hidden = forward(*inputs)
                 self.graphs[-1].capture_end()
         finally:
             for attn, backend in zip(attns, backends):
