@@ -1,0 +1,118 @@
+"""nano-vllm and nanovllm side by side: `python benchmarks/side_by_side.py --model DIR [--nano-vllm
+ROOT]`.
+
+Each engine runs in a process of its own, through the API both share (`LLM(path)`, `generate`
+with token ids and `SamplingParams(temperature, max_tokens, ignore_eos)`), on the same checkpoint
+(a Hugging Face Qwen3 directory with a tokenizer; random weights serve, `--save-random DIR` writes
+a Qwen3-0.6B one). Per engine, a row of:
+
+- ready: seconds to import the package and to build `LLM(path)` (run twice to see warm caches);
+- first use: the first request of 8 tokens, the first batch of 64 requests sharing a 1,024-token
+  prefix, a batch of the same shape with a prefix never seen, and that batch again (what the
+  first use of a feature builds while serving shows here);
+- throughput: nano-vllm's bench.py workload (256 sequences of 100-1,024 random prompt and output
+  tokens, temperature 0.6), and batch 1 (a 512-token prompt, 512 output tokens), output tokens/s.
+
+nano-vllm needs flash-attn; ROOT is a checkout of it (the directory holding its `nanovllm`).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child(root: str, model: str):
+    """Measure one engine (the package under `root`) and print its row as JSON."""
+    from random import Random, randint, seed
+    start = time.perf_counter()
+    sys.path.insert(0, root)
+    import torch
+    from nanovllm import LLM, SamplingParams
+    row = {"import_s": time.perf_counter() - start}
+    start = time.perf_counter()
+    llm = LLM(model, max_model_len=4096)
+    row["build_s"] = time.perf_counter() - start
+
+    def timed(prompts, params) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def shared_batch(seed: int) -> list[list[int]]:
+        rng = Random(seed)
+        prefix = [rng.randrange(10000) for _ in range(1024)]
+        return [prefix + [rng.randrange(10000) for _ in range(32)] for _ in range(64)]
+    short = SamplingParams(temperature=0.6, max_tokens=32, ignore_eos=True)
+    row["first_request_s"] = timed([[1, 2, 3, 4]], SamplingParams(max_tokens=8, ignore_eos=True))
+    row["first_shared_batch_s"] = timed(shared_batch(1), short)
+    row["new_prefix_batch_s"] = timed(shared_batch(2), short)
+    row["same_batch_again_s"] = timed(shared_batch(2), short)
+    seed(0)  # nano-vllm's bench.py, step for step
+    prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(256)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, 1024))
+              for _ in range(256)]
+    row["bench_tok_s"] = sum(p.max_tokens for p in params) / timed(prompts, params)
+    one, p512 = [[randint(0, 10000) for _ in range(512)]], SamplingParams(
+        temperature=0.6, ignore_eos=True, max_tokens=512)
+    timed(one, p512)  # its graphs and kernels warm
+    row["batch1_tok_s"] = 512 / timed(one, p512)
+    print(json.dumps({k: round(v, 2) for k, v in row.items()}), flush=True)
+
+
+def save_random_qwen3(path: str, tokenizer: str | None):
+    """A Qwen3-0.6B-shaped checkpoint with random bf16 weights, and the tokenizer of the directory
+    `tokenizer` (default: the SmolLM2 that example.py fetched; the prompts are token ids, only the
+    engines' loading reads it)."""
+    import shutil
+
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from nanovllm.utils.fetch import smollm2_path
+    cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                      vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6,
+                      rms_norm_eps=1e-6, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tokenizer or smollm2_path(), name), path)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="a Qwen3 checkpoint directory")
+    parser.add_argument("--nano-vllm", help="a nano-vllm checkout (left out: nanovllm alone)")
+    parser.add_argument("--save-random", action="store_true",
+                        help="first write a random Qwen3-0.6B checkpoint into --model")
+    parser.add_argument("--tokenizer", help="with --save-random: the directory of the tokenizer")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child, args.model)
+    if args.save_random:
+        save_random_qwen3(args.model, args.tokenizer)
+    engines = [("nanovllm", ROOT)] + ([("nano-vllm", args.nano_vllm)] if args.nano_vllm else [])
+    rows = {}
+    for name, root in engines:
+        out = subprocess.run([sys.executable, __file__, "--model", args.model, "--child", root],
+                             capture_output=True, text=True, cwd=root)
+        if out.returncode:
+            sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
+        rows[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    import torch
+    keys = list(rows["nanovllm"])
+    print(f"{torch.cuda.get_device_name()}, {args.model}")
+    print("| engine | " + " | ".join(keys) + " |\n|---|" + "---:|" * len(keys))
+    for name, row in rows.items():
+        print(f"| {name} | " + " | ".join(f"{row[k]:,}" for k in keys) + " |")
+
+
+if __name__ == "__main__":
+    main()
