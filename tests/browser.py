@@ -30,6 +30,7 @@ def open_page(path: str, width: int = 1400, height: int = 900):
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                 f"--window-size={width},{height}", "--force-device-scale-factor=1"):
         options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # for console_errors
     page = webdriver.Chrome(service=Service(driver), options=options)
     try:
         page.get("file://" + os.path.abspath(path))
@@ -39,6 +40,17 @@ def open_page(path: str, width: int = 1400, height: int = 900):
         page.quit()
         raise
     return page
+
+
+def console_errors(page) -> list[str]:
+    """The errors the page logged to the console (uncaught exceptions among them) so far."""
+    return [e["message"] for e in page.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def seek(page, position: int):
+    """Move the page's slider to a position (as dragging it does)."""
+    page.execute_script("const s = document.getElementById('slider'); s.value = arguments[0];"
+                        "s.dispatchEvent(new Event('input'));", position)
 
 
 def go_to(page, position: int):
@@ -97,3 +109,28 @@ def take_screenshots(html_path: str, trace: dict, out_dir: str) -> list[str]:
     finally:
         page.quit()
     return written
+
+
+def screenshot_long_trace(path: str, num_steps: int = 400_000, position: int = 200_123):
+    """A PNG of the page of a long synthetic trace (tests/trace_helpers.py) at a step mid-way."""
+    import json
+    import tempfile
+
+    from nanovllm.viz import write_page
+    from tests.trace_helpers import long_trace
+    with tempfile.TemporaryDirectory() as folder:
+        trace = os.path.join(folder, "long.json")
+        with open(trace, "w") as f:
+            json.dump(long_trace(num_steps), f, separators=(",", ":"))
+        write_page(trace, os.path.join(folder, "long.html"))
+        page = open_page(os.path.join(folder, "long.html"), 1400, 1000)
+        try:
+            seek(page, position)
+            page.save_screenshot(path)
+        finally:
+            page.quit()
+
+
+if __name__ == "__main__":  # python -m tests.browser docs/images/trace_long.png
+    import sys
+    screenshot_long_trace(sys.argv[1])

@@ -3,14 +3,18 @@ step, and its events are the engine's (copies, forks, prefix hits, evictions, pr
 swaps)."""
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.trace import EVENT_ORDER, Trace, replay
 from nanovllm.viz import render_page
+from nanovllm.viz.__main__ import main as viz_main
+from nanovllm.viz.check import MAX_TRACE_BYTES
 from tests.trace_helpers import (DEMO_OPTIONS, SWAP_OPTIONS, CheckedTrace, crowded_workload,
-                                 engine_truth, run_workload)
+                                 engine_truth, long_trace, run_workload)
 
 MARKER_START = '<script type="application/json" id="trace">'
 MODES = {"recompute": ({}, run_workload), "swap": (SWAP_OPTIONS, run_workload),  # the demo's
@@ -217,6 +221,145 @@ def test_the_page_embeds_the_trace_as_inert_data(traced):
     assert json.loads(inside) == data
     with pytest.raises(ValueError, match="not a nanovllm trace"):
         render_page({"format": "something else"})
+
+
+def viz_cli(path, monkeypatch, capsys) -> tuple[int, str]:
+    """`python -m nanovllm.viz path` run here: its exit status and what it wrote to stderr."""
+    monkeypatch.setattr("sys.argv", ["viz", str(path), "-o", str(path) + ".html"])
+    try:
+        viz_main()
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    return status, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_page_command_draws_every_traced_run(traced, mode, tmp_path, monkeypatch, capsys):
+    """What the engine writes passes the page's check: samples, beams, preemption, swapping."""
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(traced[mode][0]))
+    assert viz_cli(path, monkeypatch, capsys) == (0, "")
+    assert (tmp_path / "run.json.html").stat().st_size > path.stat().st_size
+
+
+def first(trace, field) -> int:
+    """The first step with something in `field`."""
+    return next(e["step"] for e in trace["steps"] if e[field])
+
+
+def put(trace, where, value):
+    """trace with the value at a path of keys (a callable key: computed from the trace)."""
+    *path, last = [k(trace) if callable(k) else k for k in where]
+    obj = trace
+    for key in path:
+        obj = obj[key]
+    if value is DELETE:
+        del obj[last]
+    else:
+        obj[last] = value
+    return trace
+
+
+DELETE = object()
+
+
+def seq_of_table(trace) -> str:
+    return next(iter(trace["steps"][first(trace, "tables")]["tables"]))
+
+
+REFUSED = {  # name: (where, value, the message), on a valid trace of 300 steps and 16 blocks
+    "no steps": (["steps"], DELETE, "steps is None: expected a non-empty list of steps"),
+    "empty steps": (["steps"], [], "steps is []: expected a non-empty list of steps"),
+    "steps oops": (["steps"], "oops", "steps is 'oops': expected a non-empty list of steps"),
+    "num_blocks NaN": (["num_blocks"], float("nan"),
+                       "num_blocks is nan: expected an integer from 1 to 131072"),
+    "num_blocks negative": (["num_blocks"], -3,
+                            "num_blocks is -3: expected an integer from 1 to 131072"),
+    "num_blocks 10**9": (["num_blocks"], 10**9,
+                         "num_blocks is 1000000000: expected an integer from 1 to 131072"),
+    "num_blocks a string": (["num_blocks"], "16",
+                            "num_blocks is '16': expected an integer from 1 to 131072"),
+    "num_blocks true": (["num_blocks"], True,
+                        "num_blocks is True: expected an integer from 1 to 131072"),
+    "version 2": (["version"], 2, "version is 2: expected 1 (the version this page draws)"),
+    "another format": (["format"], "chrome-trace", "not a nanovllm trace: its 'format' is "
+                       "'chrome-trace', expected 'nanovllm-trace'"),
+    "a step not an object": (["steps", 5], "x", "steps[5] is 'x': expected an object"),
+    "a step out of order": (["steps", 7, "step"], 8, "steps[7].step is 8: expected 7 (its index)"),
+    "a block past the cache": (
+        ["steps", lambda t: first(t, "tables"), "tables", seq_of_table, 0], 16,
+        "steps[40].tables['0'] block is 16: expected an integer from 0 to 15"),
+    "a table of an unknown sequence": (
+        ["steps", 3, "tables", "999"], [1], "steps[3].tables key is '999': expected a sequence "
+        "id of 'seqs'"),
+    "a batch of 'many' tokens": (
+        ["steps", lambda t: first(t, "batch"), "batch", 0, 2], "many",
+        "steps[40].batch[0] tokens is 'many': expected an integer from 0 up"),
+    "an event of no known kind": (
+        ["steps", lambda t: first(t, "events"), "events", 0, 0], "explode",
+        "steps[40].events[0] is ['explode', 15, 0, None]: expected [kind, block, seq id, extra], "
+        "kind one of ('finish', 'preempt', 'free', 'swap_out', 'swap_in', 'fork', "
+        "'share', 'evict', 'hit', 'alloc', 'cow', 'cached')"),
+    "an infinite time": (["steps", 0, "t"], float("inf"),
+                         "steps[0].t is inf: expected a number of seconds, finite, from 0"),
+    "free blocks past the cache": (["end"], {"tables": {}, "cpu_tables": {}, "events": [],
+                                             "num_free": 17, "running": 0, "waiting": 0,
+                                             "swapped": 0},
+                                   "end.num_free is 17: expected an integer from 0 to 16"),
+    "a prompt not text": (["seqs", "0", "prompt"], ["x"] * 200,
+                          "seqs['0'].prompt is ['x', 'x', 'x', 'x', ...]: expected a string"),
+    "NaN where the page does not read": (["note"], float("nan"), "the trace holds NaN or "
+                                         "Infinity, which JSON (and the page) does not allow"),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_the_page_command_refuses_a_trace_it_cannot_draw(name, tmp_path, monkeypatch, capsys):
+    """Exit status 2, one line on stderr naming the field, and no page written."""
+    where, value, message = REFUSED[name]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(put(long_trace(300, num_blocks=16), where, value)))
+    status, err = viz_cli(path, monkeypatch, capsys)
+    assert (status, err) == (2, f"python -m nanovllm.viz: error: {message}\n")
+    assert not (tmp_path / "bad.json.html").exists()
+
+
+NOT_TRACES = {  # name: (the file's bytes, None: a sparse file past the limit; the message)
+    "not JSON": (b"{", "is not JSON: Expecting property name enclosed in double quotes"),
+    "a list": (b"[1, 2]", "not a nanovllm trace: its 'format' is 'list'"),
+    "not UTF-8": (b'{"model": "\xff"}', "is not JSON: 'utf-8' codec can't decode byte 0xff"),
+    "too large": (None, f"is {MAX_TRACE_BYTES + 1:,} bytes: the page holds a trace of at most "
+                        f"{MAX_TRACE_BYTES:,} ({MAX_TRACE_BYTES >> 20} MiB)"),
+}
+
+
+@pytest.mark.parametrize("name", NOT_TRACES)
+def test_the_page_command_refuses_a_file_that_is_no_trace(name, tmp_path, monkeypatch, capsys):
+    content, message = NOT_TRACES[name]
+    path = tmp_path / "bad.json"
+    if content is None:  # its size is checked before it is read
+        with open(path, "wb") as f:
+            f.truncate(MAX_TRACE_BYTES + 1)
+    else:
+        path.write_bytes(content)
+    status, err = viz_cli(path, monkeypatch, capsys)
+    assert status == 2 and err.count("\n") == 1, err
+    assert err.startswith("python -m nanovllm.viz: error: ") and message in err
+    assert not (tmp_path / "bad.json.html").exists()
+
+
+def test_a_trace_nested_200000_levels_is_refused_in_one_line(tmp_path):
+    """Python's JSON reader recurses per level: the command says so in one line, exit status 2."""
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 200_000 + "]" * 200_000)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-m", "nanovllm.viz", str(path)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (f"python -m nanovllm.viz: error: {path} nests its JSON deeper than a "
+                           "trace does (and than Python's reader can follow)\n")
+    assert not (tmp_path / "deep.html").exists()
 
 
 def test_the_demo_writes_a_trace_and_its_page(tmp_path, monkeypatch, capsys):

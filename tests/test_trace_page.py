@@ -1,6 +1,7 @@
 """The trace page (nanovllm/viz) in headless Chromium: stepped with its keys, slider and timeline,
 it shows what the trace says (blocks per request, reference counts and holders, colours, free and
-cached free blocks), and text from requests stays text. Skipped where Chromium is missing."""
+cached free blocks), text from requests stays text, and a trace of 400,000 steps draws and steps.
+Skipped where Chromium is missing."""
 import json
 import time
 
@@ -9,10 +10,11 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.trace import replay
 from nanovllm.viz import write_page
-from tests.browser import chromium_paths, go_to, hover_block, open_page
+from tests.browser import chromium_paths, console_errors, go_to, hover_block, open_page, seek
 from tests.trace_helpers import (
     DEMO_OPTIONS,
     SWAP_OPTIONS,
+    long_trace,
     run_workload,
     synthetic_trace,
 )
@@ -250,3 +252,77 @@ def test_a_trace_of_thousands_of_steps_and_blocks_stays_responsive(tmp_path):
         assert len(shown) + int(more) == len(expected)
     finally:
         page.quit()
+
+
+LONG_STEPS = 400_000
+
+
+@pytest.fixture(scope="module")
+def long_page(tmp_path_factory):
+    """(trace, page, seconds the page took to load, MiB of the trace file) of a synthetic trace
+    of 400,000 steps."""
+    folder = tmp_path_factory.mktemp("long")
+    data = long_trace(LONG_STEPS)
+    (folder / "long.json").write_text(json.dumps(data, separators=(",", ":")))
+    write_page(folder / "long.json", folder / "long.html")
+    start = time.perf_counter()
+    page = open_page(str(folder / "long.html"))
+    loaded = time.perf_counter() - start
+    yield data, page, loaded, (folder / "long.json").stat().st_size / 2**20
+    page.quit()
+
+
+def test_a_trace_of_400000_steps_draws_and_steps(long_page):
+    """No console error; the header and the step line count all the steps; the timeline draws a
+    bar in nearly every column of pixels (steps of no tokens are rare); a step far in shows what
+    the trace holds there. Times are printed, not asserted."""
+    data, page, loaded, size = long_page
+    assert console_errors(page) == []
+    assert f"{LONG_STEPS} steps" in page.find_element("id", "info").text
+    assert page.find_element("id", "stepline").text.startswith(f"step 0 of {LONG_STEPS}")
+    drawn = page.execute_script("""
+        const tl = document.getElementById('timeline'), w = tl.width, h = tl.height;
+        const d = tl.getContext('2d').getImageData(0, h - 1, w, 1).data;  // the bars' foot
+        let n = 0;
+        for (let x = 2; x < w - 2; x++) n += d[4 * x + 3] > 0;
+        return n / (w - 4);""")
+    assert drawn > 0.95
+    seeks = page.execute_script("""
+        const s = document.getElementById('slider'), t0 = performance.now();
+        for (const v of [399999, 17, 150000, 250000, 321987]) {
+          s.value = v; s.dispatchEvent(new Event('input'));
+        }
+        return (performance.now() - t0) / 5;""")
+    print(f"\n{LONG_STEPS} steps ({size:.0f} MiB): loaded in {loaded:.2f} s, seek {seeks:.1f} ms")
+    assert shown_position(page) == "step 321987"
+    assert shown_blocks_per_request(page) == blocks_per_request(data, 321987)
+    assert console_errors(page) == []
+
+
+def test_the_strip_under_the_timeline_shows_the_steps_around_the_current_one(long_page):
+    """A click on the strip goes to the step under the mouse, and the strip follows; while the
+    mouse drags on it, the strip keeps its steps."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    data, page, *_ = long_page
+    seek(page, 200_123)
+    strip = page.find_element("id", "detail")
+    assert strip.is_displayed()
+    first, count = int(strip.get_attribute("data-from")), int(strip.get_attribute("data-count"))
+    assert first <= 200_123 < first + count and count >= 100
+    span = page.execute_script("return arguments[0].clientWidth - 4", strip)
+
+    def offset(i):  # of the i-th step of the strip, from its centre
+        return round(2 + (i + 0.5) * span / count - strip.size["width"] / 2)
+    ActionChains(page).move_to_element_with_offset(strip, offset(count - 6), 0).click().perform()
+    assert shown_position(page) == f"step {first + count - 6}"
+    assert shown_blocks_per_request(page) == blocks_per_request(data, first + count - 6)
+    moved = int(strip.get_attribute("data-from"))
+    assert moved > first  # it follows
+    actions = ActionChains(page).move_to_element_with_offset(strip, offset(10), 0).click_and_hold()
+    for i in range(20, 100, 10):
+        actions.move_to_element_with_offset(strip, offset(i), 0)
+    actions.perform()
+    assert shown_position(page) == f"step {moved + 90}"
+    ActionChains(page).release().perform()
+    assert shown_position(page) == f"step {moved + 90}"
+    assert int(strip.get_attribute("data-from")) == moved + 90 - count // 2

@@ -1,10 +1,11 @@
 """Helpers of the trace tests: the demo's workload traced, with the engine's own state read at every
 step beside the trace (what replaying the trace must give back)."""
+import math
 import random
 
 from benchmarks.trace_demo import DEMO_OPTIONS, SWAP_OPTIONS, run_workload  # noqa: F401
 from nanovllm.core.sequence import SequenceStatus
-from nanovllm.trace import Trace
+from nanovllm.trace import EVENT_ORDER, Trace
 
 
 def engine_truth(engine) -> dict:
@@ -91,6 +92,58 @@ def synthetic_trace(num_blocks: int, num_steps: int, seed: int = 0) -> dict:
             "num_cpu_blocks": 0, "preemption_mode": "recompute", "model": "synthetic",
             "start": {"tables": {}, "cpu_tables": {}, "cached": []}, "seqs": seqs, "steps": steps,
             "end": None}
+
+
+def long_trace(num_steps: int, num_blocks: int = 64, seed: int = 0) -> dict:
+    """A long trace in the file format, kept small per step: requests arrive in waves (a prefill
+    step, then decode steps in batches of at most 4, a block every 16 tokens), finish, or are
+    preempted (their blocks freed) when a growing request finds no free block."""
+    rng, block_size = random.Random(seed), 16
+    free, seqs, steps = list(range(num_blocks)), {}, []
+    running = []  # [seq id, table, tokens so far, tokens to reach]
+    for step in range(num_steps):
+        events, changed, batch = [], {}, []
+        wave = 0.5 + 0.45 * math.sin(2 * math.pi * step / max(1, num_steps // 5))
+        if len(running) < 4 and rng.random() < 0.05 * wave:  # a request arrives: its prefill
+            seq_id, prompt = len(seqs), rng.randint(8, 120)
+            need = -(-prompt // block_size)
+            if len(free) >= need:
+                seqs[str(seq_id)] = {"request": f"req-{seq_id}", "sample": 0, "parent": None,
+                                     "beam": False, "prompt": f"prompt {seq_id}",
+                                     "num_prompt_tokens": prompt}
+                table = [free.pop() for _ in range(need)]
+                events += [["alloc", b, seq_id, None] for b in table]
+                running.append([seq_id, table, prompt, prompt + rng.randint(4, 400)])
+                changed[str(seq_id)] = table
+                batch.append([seq_id, "prefill", prompt, 0, 1])
+        for seq in list(running):
+            seq_id, table, tokens, target = seq
+            if any(b[0] == seq_id for b in batch):
+                continue
+            if tokens == target or tokens % block_size == 0 and not free:
+                reason = "length" if tokens == target else None
+                events.append(["finish", None, seq_id, reason] if reason else
+                              ["preempt", None, seq_id, "recompute"])
+                events += [["free", b, seq_id, 0] for b in table]
+                free += table
+                running.remove(seq)
+                changed[str(seq_id)] = None
+                continue
+            if tokens % block_size == 0:
+                table.append(free.pop())
+                events.append(["alloc", table[-1], seq_id, None])
+                changed[str(seq_id)] = list(table)
+            batch.append([seq_id, "decode", 1, tokens, 1])
+            seq[2] += 1
+        events.sort(key=lambda e: EVENT_ORDER.index(e[0]))
+        steps.append({"step": step, "t": round(step * 0.004, 3), "dt": 0.004, "batch": batch,
+                      "tables": changed, "cpu_tables": {}, "events": events,
+                      "num_free": len(free), "running": len(running), "waiting": 0,
+                      "swapped": 0})
+    return {"format": "nanovllm-trace", "version": 1, "num_blocks": num_blocks,
+            "block_size": block_size, "num_cpu_blocks": 0, "preemption_mode": "recompute",
+            "model": "synthetic", "start": {"tables": {}, "cpu_tables": {}, "cached": []},
+            "seqs": seqs, "steps": steps, "end": None}
 
 
 def crowded_workload(llm):

@@ -10,34 +10,48 @@ timeline to step through (slider, keys, clicks), and the block table of the requ
 The trace is data: it sits in a `<script type="application/json">` element with every `<` escaped,
 so no request id or prompt can end the element, and the page reads it with JSON.parse and shows all
 of its text as text, never as HTML.
+
+Before a page is written the trace is checked (check.py): a file too large for a browser to hold,
+a JSON nested beyond reading, or a field the page cannot draw (no steps, a block count that is not
+an integer from 1 to 2**17, ...) is a ValueError of one line naming it, and no page is written.
 """
 import json
 from importlib.resources import files
+
+from nanovllm.viz.check import MAX_TRACE_BYTES, check_trace, load_trace
 
 MARKER = "/*TRACE_JSON*/"
 
 
 def embed(trace: dict) -> str:
     """The trace as JSON that is inert inside an HTML <script> element."""
-    text = json.dumps(trace, separators=(",", ":"), ensure_ascii=True)
+    try:
+        text = json.dumps(trace, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    except RecursionError:  # only fields the page does not read can nest: check_trace passed
+        raise ValueError("the trace nests its JSON deeper than Python's writer can "
+                         "follow") from None
+    except ValueError:  # allow_nan=False: a float of the same fields
+        raise ValueError("the trace holds NaN or Infinity, which JSON (and the page) does not "
+                         "allow") from None
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
 def render_page(trace: dict) -> str:
-    """The page's HTML for a trace (a dict read from a trace file)."""
-    found = trace.get("format") if isinstance(trace, dict) else type(trace).__name__
-    if found != "nanovllm-trace":
-        raise ValueError(f"not a nanovllm trace: its 'format' is {found!r}, "
-                         "expected 'nanovllm-trace'")
+    """The page's HTML for a trace (a dict read from a trace file); a ValueError for a trace the
+    page cannot draw."""
+    check_trace(trace)
+    data = embed(trace)
+    if len(data) > MAX_TRACE_BYTES:  # escapes (of <, > and any non-ASCII) make it longer
+        raise ValueError(f"the trace is {len(data):,} characters as the page holds it: at most "
+                         f"{MAX_TRACE_BYTES:,} ({MAX_TRACE_BYTES >> 20} Mi)")
     template = files("nanovllm.viz").joinpath("page.html").read_text(encoding="utf-8")
     assert template.count(MARKER) == 1
     head, tail = template.split(MARKER)
-    return head + embed(trace) + tail
+    return head + data + tail
 
 
 def write_page(trace_path, html_path):
-    """Read a trace file and write its page."""
-    with open(trace_path, encoding="utf-8") as f:
-        trace = json.load(f)
+    """Read a trace file, check it, and write its page (nothing is written for a ValueError)."""
+    page = render_page(load_trace(trace_path))
     with open(html_path, "w", encoding="utf-8") as f:
-        f.write(render_page(trace))
+        f.write(page)
