@@ -19,8 +19,9 @@ from tests.trace_helpers import (
     synthetic_trace,
 )
 
-pytestmark = pytest.mark.skipif(chromium_paths() is None,
-                                reason="needs chromium, chromium-driver and selenium")
+pytestmark = [pytest.mark.skipif(chromium_paths() is None,
+                                 reason="needs chromium, chromium-driver and selenium"),
+              pytest.mark.slow]  # the quick subset, -m "not slow", leaves it out
 
 CELL_PIXELS = """
     const [id, n, at] = arguments, g = document.getElementById(id);
