@@ -53,7 +53,7 @@ def test_plan_cuts_big_groups_into_near_equal_tiles_and_skips_prefill_rows():
 
 
 def test_prefix_splits_aim_at_two_programs_per_sm():
-    """132 SMs (an H200), 8 KV heads: the H200's sweep (results/h200_session14_prefix_splits.log)
+    """132 SMs (an H200), 8 KV heads: the H200's sweep (results/h200_cascade.log)
     found 2 splits best for 16 and 32 tiles, more for fewer tiles; never past a key tile each."""
     assert prefix_splits(16, 8, 132, 1024) == 2  # 264 // 128: shared-prefix at batch 256
     assert prefix_splits(32, 8, 132, 2000) == 2  # at least 2

@@ -1,4 +1,4 @@
-"""Issue 14, items 1-5: requests in flight as vLLM shows them. RequestOutputs holding
+"""Requests in flight as vLLM shows them. RequestOutputs holding
 CompletionOutputs (and nano-vllm's `out["text"]`), streaming from step() and llm.stream with
 incremental detokenization (multi-byte characters, stop strings), llm.chat, per-request metrics,
 llm.get_stats() and the progress bar's rates. Before these, generate returned dicts, step()

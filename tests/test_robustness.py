@@ -1,4 +1,4 @@
-"""Issue 13: never crash on valid input, never lose a request, and say what is wrong.
+"""Never crash on valid input, never lose a request, and say what is wrong.
 
 Requests end at max_model_len; vLLM's abort_request frees a waiting, running or swapped-out request
 at once, and generate, beam_search and stream abort their own requests when interrupted; nothing a
@@ -310,7 +310,7 @@ def count_steps(llm, monkeypatch, raise_at: int | None = None):
 @pytest.mark.parametrize("driver", ["generate", "beam_search"])
 def test_interrupted_generate_aborts_its_requests(tiny_path, monkeypatch, driver):
     """Before: after Ctrl-C inside generate its requests stayed queued and held blocks; the next
-    generate of one short prompt first ran all of them (49 to 72 s in the issue's trial)."""
+    generate of one short prompt first ran all of them (49 to 72 s when it was measured)."""
     llm = make_llm(tiny_path)
     short = random_prompts(1, (5, 5), seed=71)[0]
     expected = llm.generate([short], GREEDY, use_tqdm=False)[0].outputs[0].token_ids

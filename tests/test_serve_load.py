@@ -1,4 +1,4 @@
-"""The server under load on a CPU (issue 20): 64 concurrent streaming clients complete, each stream
+"""The server under load on a CPU: 64 concurrent streaming clients complete, each stream
 adding up to its non-streamed greedy text; resident memory after 2,000 requests stays within 10%
 of what it was after the first 100. A random model with SmolLM2's vocabulary keeps steps short."""
 import asyncio
