@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+
 @dataclass
 class AttentionMetadata:
     """What attention needs to know about one forward pass (built by the model runner)."""

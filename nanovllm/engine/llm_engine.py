@@ -13,15 +13,15 @@ import gc
 from contextlib import AbstractContextManager
 
 from nanovllm.config import Config
-from nanovllm.worker.run_ahead import SampledTokens
 from nanovllm.core.block_manager import BlockManager
-from nanovllm.engine.input_processor import InputProcessor, load_tokenizer
-from nanovllm.worker.model_runner import ModelRunner
-from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler
 from nanovllm.core.sequence import Sequence
+from nanovllm.engine.input_processor import InputProcessor, load_tokenizer
+from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.worker.model_runner import ModelRunner
+from nanovllm.worker.run_ahead import SampledTokens
 
 
 class LLMEngine(AbstractContextManager):

@@ -20,7 +20,6 @@ import triton.language as tl
 
 from nanovllm.kernels.paged import kv_row_offsets, widen_config, widen_v
 
-
 QUERY_TILE = 64  # queries per program (BLOCK_M): the caller lists the tiles in these
 
 

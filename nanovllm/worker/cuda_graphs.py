@@ -30,12 +30,12 @@ from itertools import accumulate
 import torch
 
 from nanovllm.attention import AttentionMetadata
-from nanovllm.worker.run_ahead import fill_placeholders
 from nanovllm.core.sequence import num_blocks_for
-from nanovllm.worker.step_inputs import StepInputs
 from nanovllm.kernels.prefill import QUERY_TILE, query_tiles
 from nanovllm.kernels.sample import gumbel_max_sample
 from nanovllm.utils.pinned import host_tensor
+from nanovllm.worker.run_ahead import fill_placeholders
+from nanovllm.worker.step_inputs import StepInputs
 
 
 def step_sizes(step: StepInputs) -> tuple[int, int, int, int]:

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.worker.model_runner import ModelRunner
 from nanovllm.layers.tensor_parallel import heads_per_rank, shard_model
+from nanovllm.worker.model_runner import ModelRunner
 
 # Workers wait for the next step for as long as the engine stays idle: no timeout that an idle
 # engine could reach. A rank that dies is noticed anyway: gloo reports the closed connection.

@@ -10,9 +10,9 @@ import logging
 import torch
 
 from nanovllm.core.sequence import Sequence, num_blocks_for
-from nanovllm.worker.step_inputs import StepInputs
 from nanovllm.layers.sampler import SamplingTensors, sample
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
