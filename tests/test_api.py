@@ -144,3 +144,32 @@ def test_step_on_an_idle_engine_does_nothing(llm):
 def test_single_string_prompt(llm):
     out, = llm.generate(chat(llm.tokenizer, FRANCE), SamplingParams(temperature=0), use_tqdm=False)
     assert out["text"] == FRANCE_ANSWER
+
+
+HIDE_TRITON = r"""
+import importlib.abc, sys
+class HideTriton(importlib.abc.MetaPathFinder):  # as if triton were not installed
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "triton":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, HideTriton())
+from nanovllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], skip_tokenizer_init=True, num_kvcache_blocks=16, kvcache_block_size=16)
+params = [SamplingParams(temperature=0, max_tokens=4),
+          SamplingParams(temperature=1.0, top_p=0.9, top_k=5, seed=1, max_tokens=4, n=2)]
+outs = llm.generate([[1, 2, 3], [4, 5, 6, 7]], params, use_tqdm=False)
+assert all(len(c.token_ids) == 4 for o in outs for c in o.outputs)
+print("triton" in sys.modules)
+"""
+
+
+@pytest.mark.slow
+def test_the_cpu_path_runs_without_triton(tiny_path):
+    """`pip install -e .` on a CPU takes no Triton (PyTorch's CUDA build brings it): the engine
+    builds and serves greedy, sampled and parallel requests on the CPU without importing it."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", HIDE_TRITON, tiny_path], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
