@@ -144,3 +144,25 @@ def zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_router_keeps_a_prefix_on_its_replica_until_it_is_much_busier():
+    from nanovllm.serve.replicas import BALANCE_SLACK, Router, prefix_key
+    router, routed = Router(block_size=4), {0: 0, 1: 0}
+    shared = [7, 7, 7, 7]
+    assert router.choose(shared + [1], {0: 0, 1: 0}, routed) == 0  # least loaded: a tie, 0
+    assert router.choose(shared + [2], {0: 5, 1: 0}, routed) == 0  # its prefix: busier, kept
+    assert router.choose([7, 7, 7], {0: 5, 1: 0}, routed) == 1  # no full block: least loaded
+    assert router.choose(shared, {0: BALANCE_SLACK + 1, 1: 0}, routed) == 1  # far busier: moved
+    assert router.choose(shared + [3], {0: 0, 1: 0}, routed) == 1  # and remembered there
+    assert router.choose([1, 2, 3, 4], {0: 0, 1: 0}, {0: 3, 1: 2}) == 1  # tie: fewer taken so far
+    assert router.choose(shared, {0: 0}, routed) == 0  # its replica out of service
+    assert prefix_key([1, 2, 3], 4) is None and prefix_key([1, 2, 3, 4, 5], 4) == \
+        prefix_key([1, 2, 3, 4, 6], 4)
+
+
+def test_each_replica_sees_its_own_gpus():
+    from nanovllm.serve.replicas import replica_devices
+    visible = ["0", "1", "2", "3", "4", "5"]
+    assert [replica_devices(i, 1, visible) for i in range(3)] == ["0", "1", "2"]
+    assert [replica_devices(i, 2, visible) for i in range(3)] == ["0,1", "2,3", "4,5"]
