@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.helpers import make_llm
-from tests.serve_helpers import SMALL_ENGINE, Server, build_random_smol
+from tests.serve_helpers import SMALL_ENGINE, Server, build_random_smol, sse_events
 
 pytestmark = pytest.mark.slow  # the quick subset, -m "not slow", leaves it out
 
@@ -144,6 +144,54 @@ def zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_waiting_limit_counts_over_replicas_and_sigterm_aborts_all(random_smol, smollm2_dir):
+    """--max-waiting-requests bounds the requests waiting on all replicas together (each runs 2);
+    with no grace period, SIGTERM aborts the streams of every replica ("abort", then [DONE])."""
+    srv = Server(random_smol, *SMALL_ENGINE[:-2], "--max-num-seqs", "2", "--tokenizer",
+                 smollm2_dir, "--max-waiting-requests", "4", "--grace-period", "0",
+                 "--data-parallel-size", "2")
+    try:
+        peak, done = [0], threading.Event()
+
+        def watch():
+            while not done.is_set():
+                peak[0] = max(peak[0], srv.stats()["num_waiting"])
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        body = {"prompt": "Once upon a time", "max_tokens": 64, "temperature": 0,
+                "ignore_eos": True}
+        results = complete_all(srv, [body] * 40)
+        done.set()
+        watcher.join(30)
+        refused = [r for r in results if r.status_code == 503]
+        served = [r for r in results if r.status_code == 200]
+        assert len(refused) + len(served) == 40 and refused and served
+        assert all("--max-waiting-requests" in r.text for r in refused)
+        assert all(r.json()["usage"]["completion_tokens"] == 64 for r in served)
+        assert 0 < peak[0] <= 4  # one limit for both replicas, not 4 each
+        events = {}
+
+        def stream(i):
+            body = {"prompt": [5000 + i], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+            with srv.client(timeout=60) as c, c.stream("POST", "/v1/completions", json=body) as r:
+                events[i] = sse_events(r)
+        streams = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        for t in streams:
+            t.start()
+        end = time.monotonic() + 20
+        while [e["num_running"] for e in srv.stats()["replicas"]] != [1, 1]:
+            assert time.monotonic() < end
+            time.sleep(0.02)
+        srv.proc.send_signal(signal.SIGTERM)
+        for t in streams:
+            t.join(30)
+        assert srv.proc.wait(30) == 0
+    finally:
+        srv.kill()
+    finish = [[c["finish_reason"] for e in events[i] for c in e["choices"]][-1] for i in range(2)]
+    assert finish == ["abort", "abort"]
 
 
 def test_router_keeps_a_prefix_on_its_replica_until_it_is_much_busier():
