@@ -3,4 +3,5 @@ import sys
 
 from nanovllm.serve.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not in a replica's process (spawned: it imports this)
+    sys.exit(main())

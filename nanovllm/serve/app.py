@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API (vLLM's `vllm serve`), on FastAPI: `/v1/models`,
 `/v1/completions`, `/v1/chat/completions` (whole, or streamed as server-sent events ending in
-`data: [DONE]`), `/v1/stats` (the engine's figures) and `/health`.
+`data: [DONE]`), `/v1/stats` (the engine's figures; with replicas, their totals and each one's) and
+`/health` (503 naming the replicas that died).
 
 A gate in front of every route answers before any body is read: 503 while the server stops, 401
 without the API key (compared in constant time; `/health` stays open), 413 for a body declared
@@ -45,7 +46,7 @@ ENGINE_REFUSALS = (("prompt", "prompt"), ("a prompt", "prompt"),  # message -> f
 class ServerState:
     """What the routes share: the engine, its thread, the limits, and whether the server stops."""
     llm: object
-    engine: EngineThread
+    engine: EngineThread  # or Replicas (nanovllm/serve/replicas.py), with the same methods
     model_name: str
     api_key: str | None = None
     max_body_bytes: int = 2 << 20
@@ -116,6 +117,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        errors = state.engine.health()  # replicas that died (nanovllm/serve/replicas.py)
+        if errors:
+            return JSONResponse({"status": "unhealthy", "errors": errors}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -126,7 +130,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/stats")
     async def stats():
-        return await state.engine.call(state.llm.get_stats)
+        return await state.engine.stats()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -193,6 +197,8 @@ async def serve(request: Request, state: ServerState, req, prompts: list, kind: 
     except (ValueError, TypeError) as e:  # the engine's input processor: a request that cannot run
         param = next((p for start, p in ENGINE_REFUSALS if str(e).startswith(start)), None)
         raise APIError(400, str(e)[:500], param) from None
+    except EngineFailure as e:  # no replica serves (nanovllm/serve/replicas.py)
+        raise APIError(503, str(e), type="service_unavailable") from None
     tokenizer = state.llm.tokenizer
     choices = Choices(kind, request_id, state.model_name, req.params.n, req.num_logprobs,
                       lambda t: tokenizer.decode([t]) if tokenizer else str(t))

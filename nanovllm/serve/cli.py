@@ -7,7 +7,8 @@ needs no edit here. On SIGTERM or SIGINT the server stops accepting (new calls g
 calls in flight a grace period (a second signal cuts it short), aborts the rest (their blocks
 freed: streams end with finish_reason "abort" and [DONE], whole answers get 503), hangs up on
 clients that still send or read nothing, prints the engine's figures and exits with status 0,
-less than a second after the grace period.
+less than a second after the grace period. With --data-parallel-size R the same holds for all R
+engines (nanovllm/serve/replicas.py).
 """
 import argparse
 import asyncio
@@ -88,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--grace-period", type=float, default=20.0,
                         help="seconds the requests in flight get to finish when stopping "
                              "(default 20)")
+    server.add_argument("--data-parallel-size", type=int, default=1,
+                        help="engines serving in processes of their own, each on its own GPUs "
+                             "(nanovllm/serve/replicas.py); 1: one engine in this process "
+                             "(default 1)")
     server.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     server.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -103,7 +108,7 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 
 def check_server_args(args: argparse.Namespace):
-    for name in ("max_body_bytes", "max_waiting_requests"):
+    for name in ("max_body_bytes", "max_waiting_requests", "data_parallel_size"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, not {getattr(args, name)}")
     if args.grace_period < 0:
@@ -131,8 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"WARNING: serving on {args.host} without an API key: anyone who can reach this "
               "machine can use the model. Pass --api-key KEY (or set NANOVLLM_API_KEY), or bind "
               "127.0.0.1.", file=sys.stderr, flush=True)
-    from nanovllm import LLM
-    llm = LLM(args.model, **{"log_stats": True, **engine_options(args)})  # /v1/stats counts tokens
+    options = {"log_stats": True, **engine_options(args)}  # /v1/stats counts tokens
+    if args.data_parallel_size > 1:
+        from nanovllm.serve.replicas import Replicas
+        llm = Replicas(args.model, options, args.data_parallel_size)
+    else:
+        from nanovllm import LLM
+        llm = LLM(args.model, **options)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     try:
         stats = asyncio.run(serve(llm, args, api_key, name))
@@ -149,7 +159,8 @@ async def serve(llm, args, api_key: str | None, name: str) -> dict:
 
     from nanovllm.serve.app import ServerState, build_app
     from nanovllm.serve.engine_thread import EngineThread
-    engine = EngineThread(llm, asyncio.get_running_loop())
+    # one engine: a thread of this process; replicas: their own processes, behind one object
+    engine = EngineThread(llm, asyncio.get_running_loop()) if args.data_parallel_size == 1 else llm
     state = ServerState(llm, engine, name, api_key, args.max_body_bytes, args.max_waiting_requests)
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port, lifespan="off",
                             log_level=args.log_level, access_log=args.access_log,
@@ -158,9 +169,9 @@ async def serve(llm, args, api_key: str | None, name: str) -> dict:
     engine.start()
     try:
         await server.serve()
+        return await engine.stats()
     finally:
         engine.stop()
-    return llm.get_stats()
 
 
 class GracefulServer:

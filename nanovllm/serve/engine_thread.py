@@ -101,6 +101,14 @@ class EngineThread:
         log.debug("aborting %s", request_ids)
         self.submit(lambda: self.abort_now(request_ids, notify))
 
+    def stats(self) -> asyncio.Future:
+        """The engine's figures (LLM.get_stats), read between steps."""
+        return self.call(self.llm.get_stats)
+
+    def health(self) -> list[str]:
+        """What is out of service: nothing (a failed step fails its requests, not the engine)."""
+        return []
+
     def abort_all(self) -> asyncio.Future:
         """Abort every request in the engine, each queue getting its last output."""
         return self.call(lambda: self.abort_now(list(self.queues), notify=True))
