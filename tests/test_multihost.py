@@ -1,16 +1,20 @@
 """Tensor parallelism across hosts: two torchrun "hosts" on 127.0.0.1 (one rank each, gloo on CPU)
-give the greedy tokens of one rank; rank 0 alone runs the rest of the script; a WORLD_SIZE that is
-not tensor_parallel_size is refused."""
+give the greedy tokens of one rank; rank 0 alone runs the rest of the script, or serves HTTP; a
+WORLD_SIZE that is not tensor_parallel_size is refused."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 
+import httpx
 import pytest
 
 from nanovllm import LLM, SamplingParams
 from tests.helpers import build_random_checkpoint
+from tests.serve_helpers import build_random_smol
 
 pytestmark = pytest.mark.slow  # the quick subset, -m "not slow", leaves it out
 
@@ -43,17 +47,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_hosts(script: str, args: list[str], timeout: float = 120) -> list[tuple[int, str]]:
-    """Run script under two torchrun processes, each a "host" of one rank; their exit statuses
-    and outputs (stdout and stderr)."""
+def start_two_hosts(*args: str) -> list[subprocess.Popen]:
+    """`torchrun ... *args` twice, each a "host" of one rank, meeting on a free port."""
     endpoint = f"127.0.0.1:{free_port()}"
     # one thread a rank: the two ranks share this machine's cores
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("NANOVLLM_API_KEY", None)
+    return [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-         "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-         "--max-restarts", "0", script, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+         "--max-restarts", "0", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, env=env, cwd=ROOT) for node in range(2)]
+
+
+def run_two_hosts(script: str, args: list[str], timeout: float = 120) -> list[tuple[int, str]]:
+    """Run script on two torchrun "hosts"; their exit statuses and outputs (stdout and stderr)."""
+    procs = start_two_hosts(script, *args)
     try:
         outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
         return [(proc.returncode, output) for proc, output in zip(procs, outputs)]
@@ -87,3 +96,54 @@ def test_world_size_other_than_tensor_parallel_size_is_refused(model, monkeypatc
         LLM(model, tensor_parallel_size=2, **OPTIONS)
     with pytest.raises(ValueError, match="WORLD_SIZE=4 .*tensor_parallel_size=1"):
         LLM(model, **OPTIONS)
+
+
+def children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(child) for child in f.read().split()]
+
+
+def test_serve_on_two_hosts(tmp_path, smollm2_dir):
+    """`python -m nanovllm.serve` under torchrun: rank 0 serves (one server, the tokens of one
+    rank), rank 1 runs its steps; SIGTERM to rank 0 stops both, each with status 0."""
+    model = build_random_smol(str(tmp_path))
+    flags = ["--tokenizer", smollm2_dir, "--device", "cpu", "--attn-backend", "sdpa",
+             "--kvcache-block-size", "16", "--num-kvcache-blocks", "64"]
+    body = dict(prompt="The capital of France is", max_tokens=8, temperature=0)
+    with LLM(model, tokenizer=smollm2_dir, **{**OPTIONS, "skip_tokenizer_init": False}) as llm:
+        expected = llm.generate(body["prompt"], SamplingParams(temperature=0, max_tokens=8),
+                                use_tqdm=False)[0].outputs[0].text
+    procs = start_two_hosts("-m", "nanovllm.serve", model, "--tensor-parallel-size", "2",
+                            "--port", "0", "--log-level", "warning", *flags)
+    logs = [[], []]
+    url, serving = [], threading.Event()
+
+    def read(node: int):
+        for line in procs[node].stdout:
+            logs[node].append(line)
+            if line.startswith("nanovllm: serving "):
+                url.append((node, line.rsplit(" on ", 1)[1].strip()))
+                serving.set()
+
+    readers = [threading.Thread(target=read, args=(node,), daemon=True) for node in range(2)]
+    for reader in readers:
+        reader.start()
+    try:
+        assert serving.wait(120), "".join(logs[0] + logs[1])[-3000:]
+        node, address = url[0]
+        with httpx.Client(base_url=address, trust_env=False, timeout=60) as http:
+            answer = http.post("/v1/completions", json=body).json()
+        assert answer["choices"][0]["text"] == expected
+        for rank0 in children(procs[node].pid):  # rank 0's process, torchrun's child
+            os.kill(rank0, signal.SIGTERM)
+        statuses = [proc.wait(60) for proc in procs]
+        for reader in readers:
+            reader.join(10)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert statuses == [0, 0], "".join(logs[0] + logs[1])[-3000:]
+    assert len(url) == 1  # rank 1 started no server
+    assert any(line.startswith("nanovllm: stopped") for line in logs[node])

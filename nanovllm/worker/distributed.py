@@ -165,8 +165,9 @@ def start_workers(engine) -> TPModelRunner:
     ranks that torchrun started (nanovllm/worker/torchrun.py). The engine's `shutdown()`, the
     engine being collected or the program's exit stop them."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        from nanovllm.worker.torchrun import TorchrunWorkers
+        from nanovllm.worker.torchrun import TorchrunWorkers, shut_down_at_exit
         engine.workers = TorchrunWorkers(engine.config)
+        shut_down_at_exit(engine)
     else:
         engine.workers = Workers(engine.config)
     engine.stop_workers = weakref.finalize(engine, engine.workers.shutdown)

@@ -17,10 +17,12 @@ rank 0's alone, as in vLLM's and torchrun's own worker processes, so the script 
 (SystemExit still runs `finally` blocks and atexit handlers.) Ranks > 0 ignore Ctrl-C: rank 0
 stops them. One engine per torchrun job: the other ranks have exited once it shuts down.
 """
+import atexit
 import os
 import pickle
 import signal
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -87,3 +89,15 @@ class TorchrunWorkers:
         group, self.group = self.group, None
         if group is not None:
             stop_group(group)
+
+
+def shut_down_at_exit(engine):
+    """Rank 0: at the program's exit, the engine's whole shutdown (the workers stopped, then the
+    model and its groups freed) while torchrun's store still answers; groups left to the
+    interpreter's teardown can abort the process once the other hosts are gone."""
+    ref = weakref.ref(engine)
+
+    def shut_down():
+        if (alive := ref()) is not None:
+            alive.shutdown()
+    atexit.register(shut_down)
