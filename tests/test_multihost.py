@@ -67,10 +67,29 @@ def run_two_hosts(script: str, args: list[str], timeout: float = 120) -> list[tu
         outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
         return [(proc.returncode, output) for proc, output in zip(procs, outputs)]
     finally:
-        for proc in procs:  # a host still running after the timeout: stopped
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        for proc in procs:  # a host still running after the timeout
+            stop(proc)
+
+
+def children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(child) for child in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def stop(proc: subprocess.Popen):
+    """Kill a torchrun process still running, and its ranks first (each in a session of its
+    own, which a kill of torchrun alone would leave behind)."""
+    if proc.poll() is None:
+        for pid in children(proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.kill()
+    proc.wait()
 
 
 def test_two_hosts_give_the_tokens_of_one(model, tmp_path):
@@ -96,11 +115,6 @@ def test_world_size_other_than_tensor_parallel_size_is_refused(model, monkeypatc
         LLM(model, tensor_parallel_size=2, **OPTIONS)
     with pytest.raises(ValueError, match="WORLD_SIZE=4 .*tensor_parallel_size=1"):
         LLM(model, **OPTIONS)
-
-
-def children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(child) for child in f.read().split()]
 
 
 def test_serve_on_two_hosts(tmp_path, smollm2_dir):
@@ -141,9 +155,33 @@ def test_serve_on_two_hosts(tmp_path, smollm2_dir):
             reader.join(10)
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            stop(proc)
     assert statuses == [0, 0], "".join(logs[0] + logs[1])[-3000:]
     assert len(url) == 1  # rank 1 started no server
     assert any(line.startswith("nanovllm: stopped") for line in logs[node])
+
+
+def test_a_local_rank_without_its_gpu_is_refused(model, monkeypatch):
+    """Under torchrun a rank needs cuda:LOCAL_RANK on its own host, not N GPUs there."""
+    import torch
+    for name, value in (("RANK", "1"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    options = {**OPTIONS, "device": "cuda", "attn_backend": "triton"}
+    with pytest.raises(ValueError, match="LOCAL_RANK=1 needs cuda:1 but only 1 GPU"):
+        LLM(model, tensor_parallel_size=2, **options)
+
+
+def test_the_workers_end_when_rank_0_dies(model, tmp_path):
+    """Rank 0 killed while the others wait for a step: they fail instead of waiting forever."""
+    script = tmp_path / "script.py"
+    script.write_text("import json, os, signal, sys\nfrom nanovllm import LLM\n"
+                      "llm = LLM(sys.argv[1], tensor_parallel_size=2, **json.loads(sys.argv[2]))\n"
+                      "print('RANK', os.environ['RANK'], 'KILLED', flush=True)\n"
+                      "os.kill(os.getpid(), signal.SIGKILL)\n")
+    results = run_two_hosts(str(script), [model, json.dumps(OPTIONS)], timeout=60)
+    assert sorted(status != 0 for status, _ in results) == [True, True]
+    lines = [line for _, output in results for line in output.splitlines()
+             if line.startswith("RANK ")]
+    assert lines == ["RANK 0 KILLED"]
