@@ -9,10 +9,9 @@ come in through the input processor and leave through the output processor as Re
 tensor_parallel_size > 1 the engine also starts one worker process per extra rank; `shutdown()` (or
 leaving a `with LLM(...)` block, or the engine being collected, or the program's exit) stops them.
 Started by torchrun, the engine is rank 0 and torchrun's other ranks are its workers: on them,
-`LLM(...)` runs rank 0's steps and then exits the process (nanovllm/worker/torchrun.py).
+`start_workers` runs rank 0's steps and then exits the process (nanovllm/worker/torchrun.py).
 """
 import gc
-import os
 from contextlib import AbstractContextManager
 
 from nanovllm.config import Config
@@ -30,10 +29,6 @@ from nanovllm.worker.run_ahead import SampledTokens
 class LLMEngine(AbstractContextManager):
     def __init__(self, model: str, **options):
         self.config = config = Config.from_options(model, **options)
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun started every rank
-            from nanovllm.worker.torchrun import run_worker, torchrun_ranks
-            if torchrun_ranks(config).rank > 0:  # (WORLD_SIZE must be tensor_parallel_size)
-                run_worker(config)  # rank 0's steps until it shuts down, then sys.exit(0)
         tokenizer = config.tokenizer or model
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(tokenizer)
         self.stop_workers = None  # tensor parallelism's worker processes, while they run

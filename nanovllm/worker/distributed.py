@@ -164,8 +164,10 @@ def start_workers(engine) -> TPModelRunner:
     """Rank 0's model runner, once ranks 1..N-1 run: processes of its own (`Workers`), or the
     ranks that torchrun started (nanovllm/worker/torchrun.py). The engine's `shutdown()`, the
     engine being collected or the program's exit stop them."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        from nanovllm.worker.torchrun import TorchrunWorkers, shut_down_at_exit
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun started every rank
+        from nanovllm.worker.torchrun import TorchrunWorkers, run_worker, shut_down_at_exit
+        if int(os.environ["RANK"]) > 0:
+            run_worker(engine.config)  # rank 0's steps until it shuts down, then sys.exit(0)
         engine.workers = TorchrunWorkers(engine.config)
         shut_down_at_exit(engine)
     else:
@@ -259,10 +261,12 @@ def share_cpu_cores(size: int):
 
 
 def check_tensor_parallel(config):
-    """Every rank needs a GPU of its own and an equal share of the heads and of the MLP."""
+    """Every rank needs a GPU of its own and an equal share of the heads and of the MLP; under
+    torchrun, one rank per shard."""
     tp, cfg = config.tensor_parallel_size, config.hf_config
-    if "LOCAL_RANK" in os.environ:  # torchrun's rank: one GPU of its host's, cuda:LOCAL_RANK
-        local_rank = int(os.environ["LOCAL_RANK"])
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun's rank: cuda:LOCAL_RANK
+        from nanovllm.worker.torchrun import torchrun_ranks
+        local_rank = torchrun_ranks(config).local_rank  # WORLD_SIZE must be tensor_parallel_size
         if config.device == "cuda" and local_rank >= torch.cuda.device_count():
             raise ValueError(f"LOCAL_RANK={local_rank} needs cuda:{local_rank} but only "
                              f"{torch.cuda.device_count()} GPU(s) are visible")
