@@ -46,6 +46,7 @@ OPTIONAL_FEATURES = {
     "nanovllm.attention.fp8",                               # kv_cache_dtype="fp8"
     "nanovllm.worker.piecewise_graph",                      # backends not captured whole
     "nanovllm.worker.distributed", "nanovllm.worker.tp_worker",  # tensor_parallel_size > 1
+    "nanovllm.worker.torchrun",                             # started by torchrun
     "nanovllm.layers.tensor_parallel",
     "nanovllm.core.swap", "nanovllm.core.reservation",      # preemption_mode, kv_reservation
     "nanovllm.core.sharing", "nanovllm.engine.beam_search",  # n > 1, beam search

@@ -1,5 +1,6 @@
 """Engine options, validated once: the `Config` every part of the engine reads."""
 import json
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
@@ -75,7 +76,7 @@ class Config:
         self.torch_dtype = auto if self.dtype == "auto" else DTYPES[self.dtype]
         self.max_model_len = min(self.max_model_len, self.hf_config["max_position_embeddings"])
         self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.kvcache_block_size)
-        if self.tensor_parallel_size > 1:
+        if self.tensor_parallel_size > 1 or "WORLD_SIZE" in os.environ:  # or torchrun's ranks
             from nanovllm.worker.distributed import check_tensor_parallel
             check_tensor_parallel(self)
 

@@ -8,6 +8,8 @@ launched before instead, while this one runs (run-ahead: nanovllm/worker/run_ahe
 come in through the input processor and leave through the output processor as RequestOutputs. With
 tensor_parallel_size > 1 the engine also starts one worker process per extra rank; `shutdown()` (or
 leaving a `with LLM(...)` block, or the engine being collected, or the program's exit) stops them.
+Started by torchrun, the engine is rank 0 and torchrun's other ranks are its workers: on them,
+`start_workers` runs rank 0's steps and then exits the process (nanovllm/worker/torchrun.py).
 """
 import gc
 from contextlib import AbstractContextManager

@@ -43,6 +43,7 @@ class TPGroup:
     size: int
     device_group: dist.ProcessGroup  # NCCL on cuda, gloo on cpu: the model's all-reduces and gather
     cpu_group: dist.ProcessGroup     # gloo: rank 0's message of each step
+    local_rank: int = 0  # this rank's GPU on its host: cuda:local_rank
     # (rank 0) the workers are waiting for a step, so a message can reach them
     idle: bool = False
     # this rank's CUDA graphs, which captured device_group collectives
@@ -90,7 +91,8 @@ class TPModelRunner(ModelRunner):
 
     def __init__(self, config: Config, tp: TPGroup):
         self.tp = tp
-        super().__init__(config, torch.device("cuda", tp.rank) if config.device == "cuda" else None)
+        device = torch.device("cuda", tp.local_rank) if config.device == "cuda" else None
+        super().__init__(config, device)
         tp.idle = True  # every rank is built: the workers now wait for steps
 
     def heads(self) -> tuple[int, int]:
@@ -138,17 +140,38 @@ def _new_group(store: dist.Store, rank: int, size: int, device_type: str) -> dis
     return group
 
 
-def join_group(store: dist.Store, rank: int, size: int, device_type: str) -> TPGroup:
-    """Meet the other ranks: one group for the model's tensors, one gloo group for step messages."""
+def join_group(store: dist.Store, rank: int, size: int, device_type: str,
+               local_rank: int | None = None) -> TPGroup:
+    """Meet the other ranks: one group for the model's tensors, one gloo group for step messages.
+    local_rank: the rank's GPU on its host (by default its rank: every rank on one host)."""
     cpu_group = _new_group(dist.PrefixStore("cpu", store), rank, size, "cpu")
     device_group = _new_group(dist.PrefixStore("device", store), rank, size, device_type)
-    return TPGroup(rank, size, device_group, cpu_group)
+    return TPGroup(rank, size, device_group, cpu_group, rank if local_rank is None else local_rank)
+
+
+def run_steps(config: Config, group: TPGroup):
+    """Ranks 1..N-1: build this rank's shard, then run every step rank 0 sends until it sends
+    None."""
+    try:
+        runner = TPModelRunner(config, group)
+        while (step := group.receive_step()) is not None:
+            runner.execute(step)
+    finally:
+        group.close()
 
 
 def start_workers(engine) -> TPModelRunner:
-    """Rank 0's model runner, once ranks 1..N-1 run (each a process of its own). The engine's
-    `shutdown()`, the engine being collected or the program's exit stop them."""
-    engine.workers = Workers(engine.config)
+    """Rank 0's model runner, once ranks 1..N-1 run: processes of its own (`Workers`), or the
+    ranks that torchrun started (nanovllm/worker/torchrun.py). The engine's `shutdown()`, the
+    engine being collected or the program's exit stop them."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun started every rank
+        from nanovllm.worker.torchrun import TorchrunWorkers, run_worker, shut_down_at_exit
+        if int(os.environ["RANK"]) > 0:
+            run_worker(engine.config)  # rank 0's steps until it shuts down, then sys.exit(0)
+        engine.workers = TorchrunWorkers(engine.config)
+        shut_down_at_exit(engine)
+    else:
+        engine.workers = Workers(engine.config)
     engine.stop_workers = weakref.finalize(engine, engine.workers.shutdown)
     try:
         return TPModelRunner(engine.config, engine.workers.group)
@@ -200,17 +223,8 @@ class Workers:
         at once (NCCL's shutdown waits for all ranks); else by signal, the groups aborted (a worker
         in the middle of a step, or gone, would never join a shutdown)."""
         group, self.group = self.group, None
-        stopped = False
-        if group is not None and group.idle:
-            try:
-                group.send_step(None)
-                stopped = True
-            except Exception:  # a worker already gone: the others are stopped below
-                pass
-        if group is not None and stopped:
-            group.close()
-        elif group is not None:
-            group.abort()
+        if group is not None:
+            stop_group(group)
         for proc in self.procs:
             for stop in (lambda: None, proc.terminate, proc.kill):  # stuck: it has nothing to save
                 stop()
@@ -224,6 +238,22 @@ class Workers:
         self.store = None
 
 
+def stop_group(group: TPGroup):
+    """Rank 0: stop ranks 1..N-1 with a message if they wait for one, every rank then closing its
+    groups at once; else abort the groups."""
+    stopped = False
+    if group.idle:
+        try:
+            group.send_step(None)
+            stopped = True
+        except Exception:  # a worker already gone: the groups are aborted
+            pass
+    if stopped:
+        group.close()
+    else:
+        group.abort()
+
+
 def share_cpu_cores(size: int):
     """Give this rank its share of the cores: a spare thread spinning after its matmul would starve
     another rank (two ranks on two cores run 10x slower with two threads each than with one)."""
@@ -231,9 +261,16 @@ def share_cpu_cores(size: int):
 
 
 def check_tensor_parallel(config):
-    """Every rank needs a GPU of its own and an equal share of the heads and of the MLP."""
+    """Every rank needs a GPU of its own and an equal share of the heads and of the MLP; under
+    torchrun, one rank per shard."""
     tp, cfg = config.tensor_parallel_size, config.hf_config
-    if config.device == "cuda" and tp > torch.cuda.device_count():
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun's rank: cuda:LOCAL_RANK
+        from nanovllm.worker.torchrun import torchrun_ranks
+        local_rank = torchrun_ranks(config).local_rank  # WORLD_SIZE must be tensor_parallel_size
+        if config.device == "cuda" and local_rank >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK={local_rank} needs cuda:{local_rank} but only "
+                             f"{torch.cuda.device_count()} GPU(s) are visible")
+    elif config.device == "cuda" and tp > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size={tp} but only {torch.cuda.device_count()} GPU(s) "
                          "are visible")
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanovllm.worker.distributed import STARTUP_TIMEOUT, TPModelRunner, join_group, share_cpu_cores
+from nanovllm.worker.distributed import STARTUP_TIMEOUT, join_group, run_steps, share_cpu_cores
 
 
 def exit_with_parent(parent_pid: int):
@@ -36,13 +36,7 @@ def main(rank: int, port: int, parent_pid: int):
     else:
         share_cpu_cores(config.tensor_parallel_size)
     store.add("started", 1)
-    group = join_group(store, rank, config.tensor_parallel_size, config.device)
-    try:
-        runner = TPModelRunner(config, group)
-        while (step := group.receive_step()) is not None:
-            runner.execute(step)
-    finally:
-        group.close()
+    run_steps(config, join_group(store, rank, config.tensor_parallel_size, config.device))
 
 
 if __name__ == "__main__":
