@@ -80,8 +80,8 @@ def children(pid: int) -> list[int]:
 
 
 def stop(proc: subprocess.Popen):
-    """Kill a torchrun process still running, and its ranks first (each in a session of its
-    own, which a kill of torchrun alone would leave behind)."""
+    """Kill a torchrun process still running, and its ranks first (torchrun starts each with
+    setsid: a kill of torchrun alone would leave them behind)."""
     if proc.poll() is None:
         for pid in children(proc.pid):
             try:
