@@ -45,6 +45,13 @@ def tiny_path(random_checkpoint) -> str:
 
 
 @pytest.fixture(scope="session")
+def random_smol(tmp_path_factory) -> str:
+    """A random 2-layer model with SmolLM2's vocabulary, for the servers' tests (serve_helpers)."""
+    from tests.serve_helpers import build_random_smol
+    return build_random_smol(str(tmp_path_factory.mktemp("random_smol")))
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     from nanovllm.utils.fetch import smollm2_path
     return smollm2_path()

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.helpers import make_llm
-from tests.serve_helpers import SMALL_ENGINE, Server, build_random_smol, sse_events
+from tests.serve_helpers import SMALL_ENGINE, Server, sse_events
 
 pytestmark = pytest.mark.slow  # the quick subset, -m "not slow", leaves it out
 
@@ -20,11 +20,6 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 ENGINE = dict(kvcache_block_size=16, num_kvcache_blocks=512, max_model_len=1024, max_num_seqs=64)
-
-
-@pytest.fixture(scope="module")
-def random_smol(tmp_path_factory):
-    return build_random_smol(str(tmp_path_factory.mktemp("random_smol")))
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from tests.serve_helpers import SMALL_ENGINE, Server, build_random_smol, sse_events
+from tests.serve_helpers import SMALL_ENGINE, Server, sse_events
 
 pytestmark = pytest.mark.slow  # the quick subset, -m "not slow", leaves it out
 
@@ -26,11 +26,6 @@ hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
 
 GREEDY = {"prompt": "The quick brown fox", "temperature": 0, "max_tokens": 16, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def random_smol(tmp_path_factory):
-    return build_random_smol(str(tmp_path_factory.mktemp("random_smol")))
 
 
 @pytest.fixture(scope="module")
