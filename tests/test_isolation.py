@@ -105,8 +105,8 @@ def test_no_request_fails_or_changes_another(llm):
 
 
 def test_top_k_past_the_vocabulary_is_refused_and_runs_nothing(llm):
-    """Before: top_k=2**63 was accepted, and building the step's top_k tensor overflowed,
-    failing every request of the step."""
+    """top_k=2**63 is refused when added: accepted, it would overflow the step's top_k tensor and
+    fail every request of the step."""
     requests = [SamplingParams(top_k=2**63, temperature=1), SamplingParams(top_k=5, temperature=1)]
     with pytest.raises(ValueError, match=rf"^top_k=9223372036854775808 must be .*\[1, {VOCAB}\]"):
         llm.generate([[1, 2], [3, 4]], requests, use_tqdm=False)
@@ -138,7 +138,8 @@ def test_stop_token_ids_past_the_vocabulary_are_refused(llm):
 
 @pytest.mark.parametrize("temperature", [1e-38, 1e-30, SAMPLING_EPS / 2])
 def test_temperatures_below_epsilon_are_greedy(llm, temperature):
-    """Before: 1e-38 divided the logits into infinities, and the softmax's NaNs drew token 0."""
+    """A temperature of 1e-38 samples greedily: dividing the logits by it would give infinities,
+    and the softmax's NaNs would draw token 0."""
     prompts = [[5, 17, 33], [100, 7]]
     greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                           use_tqdm=False)
@@ -163,8 +164,8 @@ def test_a_text_far_too_long_is_refused_before_it_is_tokenized(llm, monkeypatch)
 
 
 def test_a_shut_down_engine_takes_no_request(tiny_path):
-    """Before: add_request after shutdown() returned an id and queued the request; step() then
-    raised."""
+    """add_request and generate after shutdown() raise and queue nothing (a queued request would
+    wait for a step() that can only raise)."""
     llm = make_llm(tiny_path, num_kvcache_blocks=16)
     llm.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):

@@ -295,8 +295,8 @@ def test_engine_flags_come_from_config():
 
 
 def test_engine_choices_made_for_you_are_auto():
-    """Config's "" (the engine chooses) is "auto" on the command line. Before: --help showed an
-    empty choice, {,flash,triton,sdpa}."""
+    """Config's "" (the engine chooses) is "auto" on the command line: --help shows no empty
+    choice such as {,flash,triton,sdpa}."""
     from nanovllm.serve.cli import build_parser, engine_options
     help = build_parser().format_help()
     assert "--attn-backend {auto,flash,triton,sdpa}" in help and "{auto,cuda,cpu}" in help

@@ -256,8 +256,8 @@ def test_refused_huge_prompts_do_not_stall_a_stream(random_smol, smollm2_dir):
 
 
 def test_a_request_past_the_bounds_is_400_and_fails_no_other(server):
-    """Before: top_k=2**63 alone got 200; beside a request with top_k=5 it overflowed building
-    the step's top_k tensor, and both got 500 (a stream: an error event without [DONE])."""
+    """top_k=2**63 is a 400: accepted, beside a request with top_k=5 it would overflow the step's
+    top_k tensor, and both would get 500 (a stream: an error event without [DONE])."""
     events = {}
 
     def stream():
@@ -279,7 +279,7 @@ def test_a_request_past_the_bounds_is_400_and_fails_no_other(server):
 
 
 def test_a_model_of_the_wrong_type_is_400_naming_it(server):
-    """Before: "model": 5 got 404 "the model '5' does not exist"."""
+    """"model": 5 is a 400 naming the field, not a 404 "the model '5' does not exist"."""
     with server.client() as c:
         r = c.post("/v1/completions", json={"prompt": "hi", "model": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
@@ -294,8 +294,8 @@ def test_a_model_of_the_wrong_type_is_400_naming_it(server):
     ("/v1/completions", b'{"prompt": "a", "\\ud800": 1}', None),
 ], ids=["prompt", "stop", "message", "field-name"])
 def test_lone_surrogates_are_400_naming_the_field(server, path, body, param):
-    """JSON's "\\ud800" escape gives a string that is not Unicode text. Before: 400 with the
-    tokenizer's own message and param null (prompt), or 500 (a field's name, echoed in the
+    """JSON's "\\ud800" escape gives a string that is not Unicode text: a 400 naming the field
+    (not the tokenizer's own message with param null, nor a 500 for a field's name echoed in the
     error)."""
     with server.client() as c:
         r = c.post(path, content=body, headers={"Content-Type": "application/json"})
@@ -304,7 +304,7 @@ def test_lone_surrogates_are_400_naming_the_field(server, path, body, param):
 
 
 def test_the_bearer_scheme_in_any_case(server):
-    """RFC 9110: an auth scheme is case-insensitive. Before: "bearer KEY" got 401."""
+    """RFC 9110: an auth scheme is case-insensitive: "bearer KEY" and "BEARER KEY" pass."""
     body = {"prompt": "hi", "max_tokens": 1}
     with httpx.Client(base_url=server.url, trust_env=False) as c:
         for scheme in ("bearer", "BEARER", "Bearer"):
@@ -319,8 +319,8 @@ def test_the_bearer_scheme_in_any_case(server):
 
 def test_waiting_limit_is_never_passed(smollm2_dir):
     """Requests opened one after another while one runs (max_num_seqs=1): exactly
-    --max-waiting-requests of them wait, the next gets 503. Before: one just queued was counted
-    neither as being added nor as waiting until the engine's next step ended, and 5 waited."""
+    --max-waiting-requests of them wait, the next gets 503. A request just queued counts as
+    waiting at once, not only after the engine's next step (else a fifth would wait)."""
     srv = Server(smollm2_dir, *SMALL_ENGINE[:-2], "--max-num-seqs", "1",
                  "--max-waiting-requests", "4")
     long = {"prompt": "Count to a thousand:", "max_tokens": 900, "ignore_eos": True,
@@ -346,8 +346,8 @@ def test_waiting_limit_is_never_passed(smollm2_dir):
 def test_stopping_ends_within_the_grace_period_whatever_the_clients_do(random_smol, smollm2_dir):
     """One client sends its headers and half its body, one streams and never reads, one waits
     for a whole answer: SIGTERM with a 2 s grace period ends the server within 3 s, with status
-    0 and no traceback. Before: 5 s more for calls to finish after the aborts, then 5 s for
-    uvicorn's own graceful shutdown, which cancelled the handlers (a CancelledError traceback)."""
+    0 and no traceback: it waits neither for calls to finish after the aborts nor for uvicorn's
+    own graceful shutdown, which would cancel the handlers (a CancelledError traceback)."""
     grace = 2.0
     srv = Server(random_smol, *SMALL_ENGINE, "--max-model-len", "4096", "--tokenizer",
                  smollm2_dir, "--grace-period", str(grace), api_key=None)

@@ -109,8 +109,7 @@ class LLMEngine(AbstractContextManager):
     def step(self) -> list[RequestOutput]:
         """One iteration: a RequestOutput for each request that got new tokens (its text and tokens
         so far, or only the new ones with output_kind="delta", or only at its end with "final")."""
-        if self.model_runner is None:
-            raise RuntimeError("the engine was shut down")
+        self.check_open()
         launched = self.launch()
         if launched:
             launched = launched[0], SampledTokens(*launched[1])
