@@ -6,7 +6,7 @@ import pytest
 import torch
 
 # Triton kernels run in its interpreter; this must precede any import of triton, and importing
-# nanovllm imports it (torch.compile in layers/fused.py)
+# building a model on CUDA imports it (nanovllm/kernels/)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

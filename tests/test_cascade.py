@@ -192,11 +192,10 @@ def test_the_merge_combines_live_splits_by_log_sum_exp(heads):
     lse = torch.randn(5, splits + psplits, num_heads, 1, device=DEVICE) * 4
     out = torch.zeros(7, num_heads, dim, device=DEVICE)
     _merge_splits_kernel[(5, triton.cdiv(num_heads, heads))](
-        partial, lse, out, cu_seqlens(q_lens, DEVICE), ints(ctx), ints(starts),
+        partial, lse, out, cu_seqlens(q_lens, DEVICE), ints(ctx), ints(starts), splits, psplits,
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEADS=heads, HEAD_DIM=dim,
-        BLOCK_N=block_n, NUM_SPLITS=splits, PREFIX_SPLITS=psplits, PREFIX_BLOCK_N=block_n,
-        SPLITS_PAD=8)
+        BLOCK_N=block_n, CASCADE=True, PREFIX_BLOCK_N=block_n, SPLITS_PAD=8)
     token = 0
     for row in range(5):
         if q_lens[row] == 1:

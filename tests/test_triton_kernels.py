@@ -34,6 +34,9 @@ from nanovllm.kernels import (  # noqa: E402
     rope_store,
 )
 from nanovllm.kernels.decode import MAX_SPLITS  # noqa: E402
+from nanovllm.kernels.elementwise import add_rms_norm, silu_and_mul  # noqa: E402
+from nanovllm.layers.norm import add_rms_norm as plain_add_rms_norm  # noqa: E402
+from nanovllm.models.llama import silu_and_mul as plain_silu_and_mul  # noqa: E402
 from nanovllm.layers.rotary import RotaryEmbedding, norm_rope  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the quick subset, -m "not slow", leaves it out
@@ -46,6 +49,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # the interpreter's dots are exact float32; a GPU's are tf32
 FP32_TOL = 1e-4 if DEVICE == "cpu" else 3e-3
 BF16_TOL = 1e-2
+# the interpreter has no bfloat16 (numpy lacks it): float16 stands in for the half type there
+HALF_DTYPES = [torch.float32, torch.float16 if DEVICE == "cpu" else torch.bfloat16]
 
 
 # ---------- reference and helpers ----------
@@ -150,6 +155,41 @@ def test_rope_store_matches_the_plain_rotary_and_store(num_heads, num_kv_heads, 
     assert torch.allclose(k_cache, ref_k_cache, atol=1e-5, rtol=1e-5, equal_nan=True)
     assert torch.equal(v_cache.isnan(), ref_v_cache.isnan())
     assert torch.equal(v_cache.nan_to_num(), ref_v_cache.nan_to_num())
+
+
+# ---------- RMSNorm and SwiGLU's gate ----------
+
+@pytest.mark.parametrize("hidden", [64, 96, 1024])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_add_rms_norm_matches_float64(hidden, with_residual, dtype):
+    """RMSNorm(x + residual) and the new residual, against float64 and the plain PyTorch path (a
+    hidden size that is no power of two masks its tail)."""
+    x = (torch.randn(13, hidden) * 4).to(dtype)
+    residual = (torch.randn(13, hidden) * 4).to(dtype) if with_residual else None
+    weight = (torch.rand(hidden) + 0.5).to(dtype)
+    out, new_residual = add_rms_norm(x, residual, weight, 1e-6)
+    summed = x.double() + (residual.double() if with_residual else 0)
+    ref = weight.double() * summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else BF16_TOL
+    assert rel_err(out, ref) < tol and rel_err(new_residual, summed) < tol
+    plain_out, plain_residual = plain_add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(new_residual, plain_residual)
+    assert torch.allclose(out.float(), plain_out.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("width", [64, 300, 3072])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_silu_and_mul_matches_float64(width, dtype):
+    """silu(gate) * up over [gate | up] rows, against float64 and the plain PyTorch path (3,072
+    columns take several programs a row)."""
+    x = (torch.randn(7, 2 * width) * 3).to(dtype)
+    gate, up = x.double().chunk(2, -1)
+    out = silu_and_mul(x)
+    assert out.shape == (7, width)
+    tol = 1e-6 if dtype == torch.float32 else BF16_TOL
+    assert rel_err(out, torch.nn.functional.silu(gate) * up) < tol
+    assert torch.allclose(out.float(), plain_silu_and_mul(x).float(), atol=tol, rtol=tol)
 
 
 # ---------- prefill ----------

@@ -1,5 +1,5 @@
-"""Triton kernels, one file per role: the triton attention backend's, and two that every backend
-uses on CUDA.
+"""Triton kernels, one file per role: the triton attention backend's, and those that every
+backend uses on CUDA.
 
 - `store_kv.py`: rotary (and Qwen3's q/k norm) fused with writing this step's K/V into the paged
   cache at `slot_mapping` (PagedAttention's write side); used by every backend on CUDA.
@@ -8,6 +8,8 @@ uses on CUDA.
 - `decode.py`: paged decode attention with split-KV ("flash decoding") and a log-sum-exp reduction.
 - `sample.py`: exact temperature sampling (the Gumbel-max trick over vocabulary chunks, then inside
   the drawn chunk) in one read of the logits; used by every backend on CUDA.
+- `elementwise.py`: RMSNorm with the residual add, and SwiGLU's gate: the layers between the
+  projections; used by every backend on CUDA.
 - `paged.py`: the one piece they share, the address of a key's row in the block-paged cache.
 """
 from nanovllm.kernels.decode import decode_attention, num_decode_splits

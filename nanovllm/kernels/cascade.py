@@ -24,7 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.decode import _decode_split, _merge_splits_kernel, _split_range
+from nanovllm.kernels.decode import (
+    _decode_split,
+    _merge_splits_kernel,
+    _split_range,
+    splits_pad,
+)
 from nanovllm.kernels.paged import kv_row_offsets, widen_config, widen_v
 
 ROWS = 32  # query rows of a prefix tile: members x GROUP heads (tl.dot wants >= 16)
@@ -41,56 +46,55 @@ def members_per_tile(group: int) -> int:
     return max(2, ROWS // group)
 
 
-@triton.jit(do_not_specialize=["stride_bt", "num_prefix_programs"])
+# the split counts are arguments: one compiled kernel serves every batch size
+@triton.jit(do_not_specialize=["stride_bt", "num_prefix_programs", "num_splits", "prefix_splits"])
 def _cascade_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr,
     key_starts_ptr, tiles_ptr, out_ptr, partial_ptr, lse_ptr, qk_scale, v_scale,
-    num_prefix_programs, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+    num_prefix_programs, num_splits, prefix_splits,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
     stride_ot, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, MEMBERS: tl.constexpr, ROWS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr,
 ):
     """One launch, two kinds of programs: first one per (tile, KV head, prefix split), then one
     per (decode row, KV head, split) of the rows' own keys; the two overlap on the GPU."""
     pid = tl.program_id(0)
     if pid < num_prefix_programs:
         _shared_prefix(
-            pid // (NUM_KV_HEADS * PREFIX_SPLITS), pid // PREFIX_SPLITS % NUM_KV_HEADS,
-            pid % PREFIX_SPLITS, q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr,
-            block_tables_ptr, tiles_ptr, partial_ptr, lse_ptr, qk_scale, v_scale,
-            stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+            pid // (NUM_KV_HEADS * prefix_splits), pid // prefix_splits % NUM_KV_HEADS,
+            pid % prefix_splits, q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr,
+            block_tables_ptr, tiles_ptr, partial_ptr, lse_ptr, qk_scale, v_scale, num_splits,
+            prefix_splits, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
             stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
-            GROUP, MEMBERS, ROWS_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, NUM_SPLITS, PREFIX_SPLITS,
-            DOT_DTYPE, FP8_ASM)
+            GROUP, MEMBERS, ROWS_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, FP8_ASM)
     else:
         pid -= num_prefix_programs
         _decode_split(
-            pid // (NUM_KV_HEADS * NUM_SPLITS), pid // NUM_SPLITS % NUM_KV_HEADS,
-            pid % NUM_SPLITS, q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr,
+            pid // (NUM_KV_HEADS * num_splits), pid // num_splits % NUM_KV_HEADS,
+            pid % num_splits, q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr,
             context_lens_ptr, block_tables_ptr, key_starts_ptr, out_ptr, partial_ptr, lse_ptr,
-            qk_scale, v_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
-            stride_ot, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
-            GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, NUM_SPLITS, True, DOT_DTYPE,
-            FP8_ASM)
+            qk_scale, v_scale, num_splits, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+            stride_bt, stride_ot, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb,
+            stride_ls, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_DTYPE, FP8_ASM)
 
 
 @triton.jit
 def _shared_prefix(
     tile, kv_head, split, q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr, block_tables_ptr,
-    tiles_ptr, partial_ptr, lse_ptr, qk_scale, v_scale,
+    tiles_ptr, partial_ptr, lse_ptr, qk_scale, v_scale, num_splits, prefix_splits,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
     stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
     GROUP: tl.constexpr, MEMBERS: tl.constexpr, ROWS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    PREFIX_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    FP8_ASM: tl.constexpr,
 ):
     """One (tile, KV head, split) of a tile's shared prefix: all members' queries at once."""
     tile_ptr = tiles_ptr + tile * (2 + MEMBERS)  # [first row, shared_len, members...]
     first = tl.load(tile_ptr)
     shared_len = tl.load(tile_ptr + 1)
-    start, end = _split_range(0, shared_len, split, PREFIX_SPLITS, BLOCK_N)
+    start, end = _split_range(0, shared_len, split, prefix_splits, BLOCK_N)
     if start >= end:
         return  # an unused tile (shared_len 0), or a split past the prefix's end
 
@@ -129,7 +133,7 @@ def _shared_prefix(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
-    slot = NUM_SPLITS + split  # after the row's own splits
+    slot = num_splits + split  # after the row's own splits
     dst = (partial_ptr + seq[:, None] * stride_pb + slot * stride_ps + heads[:, None] * stride_ph
            + dims[None, :])
     tl.store(dst, acc * (v_scale / l_i)[:, None], mask=row_mask[:, None])
@@ -185,19 +189,20 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_prefix_programs = tiles.shape[0] * num_kv_heads * prefix_splits
     _cascade_kernel[(num_prefix_programs + num_seqs * num_kv_heads * num_splits,)](
         q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, key_starts, tiles, out,
-        partial, lse, qk_scale, v_scale, num_prefix_programs, *common, out.stride(0),
+        partial, lse, qk_scale, v_scale, num_prefix_programs, num_splits, prefix_splits, *common,
+        out.stride(0),
         out.stride(1), *partial_strides,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), MEMBERS=members,
         ROWS_PAD=max(16, triton.next_power_of_2(members * group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1], NUM_KV_HEADS=num_kv_heads, NUM_SPLITS=num_splits,
-        PREFIX_SPLITS=prefix_splits, **widen_config(q.dtype, k_cache.dtype), **cfg,
+        BLOCK_SIZE=k_cache.shape[1], NUM_KV_HEADS=num_kv_heads,
+        **widen_config(q.dtype, k_cache.dtype), **cfg,
     )
     # 4 query heads a program: 1.8x to 2.2x faster than one on an H200 at batch 256
     # (benchmarks/results/h200_cascade_merge.log)
     _merge_splits_kernel[(num_seqs, triton.cdiv(num_heads, MERGE_HEADS))](
-        partial, lse, out, cu_seqlens_q, context_lens, key_starts, *partial_strides,
-        out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEADS=MERGE_HEADS, HEAD_DIM=head_dim,
-        BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits, PREFIX_SPLITS=prefix_splits,
-        PREFIX_BLOCK_N=cfg["BLOCK_N"], SPLITS_PAD=triton.next_power_of_2(slots), num_warps=4,
+        partial, lse, out, cu_seqlens_q, context_lens, key_starts, num_splits, prefix_splits,
+        *partial_strides, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEADS=MERGE_HEADS,
+        HEAD_DIM=head_dim, BLOCK_N=cfg["BLOCK_N"], CASCADE=True, PREFIX_BLOCK_N=cfg["BLOCK_N"],
+        SPLITS_PAD=splits_pad(slots), num_warps=4,
     )
     return out

@@ -1,7 +1,7 @@
 """Paged decode attention with split-KV ("flash decoding").
 
 A decode step has one query per sequence, so one program per (sequence, KV head) leaves most of the
-GPU idle when the batch is small. The keys of each sequence are therefore cut into NUM_SPLITS
+GPU idle when the batch is small. The keys of each sequence are therefore cut into num_splits
 chunks, one program per (sequence, KV head, chunk); each writes a partial output normalized by its
 own softmax sum plus its log-sum-exp, and a second kernel merges the chunks: with
 lse_i = m_i + log2(l_i), out = sum_i 2^(lse_i - max lse) * o_i / sum_i 2^(lse_i - max lse).
@@ -16,9 +16,11 @@ Rows that are not decodes (a prefill chunk of a mixed step, or a CUDA graph's pa
 length is 0) return at once, so a graph can launch a fixed number of rows and the data says which
 run.
 
-CUDA graphs: NUM_SPLITS comes from static numbers (rows, KV heads, SM count), the chunk length is
+CUDA graphs: num_splits comes from static numbers (rows, KV heads, SM count), the chunk length is
 computed inside the kernel from the sequence's context length, the partials go into preallocated
-scratch, and nothing here reads a device value on the host.
+scratch, and nothing here reads a device value on the host. num_splits is an argument, not a
+constant of the kernel: one compiled kernel serves every batch size (the engine starts with one
+compile, not one per split count).
 """
 import math
 
@@ -33,42 +35,41 @@ MAX_SPLITS = 64
 
 
 @triton.jit
-def _split_range(key_start, context_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys [start, end) of one split: keys key_start..context_len-1 cut into NUM_SPLITS chunks,
+def _split_range(key_start, context_len, split, num_splits, BLOCK_N: tl.constexpr):
+    """Keys [start, end) of one split: keys key_start..context_len-1 cut into num_splits chunks,
     each a whole number of tiles."""
-    per_split = (context_len - key_start + NUM_SPLITS - 1) // NUM_SPLITS
+    per_split = (context_len - key_start + num_splits - 1) // num_splits
     chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     start = key_start + split * chunk
     return start, tl.minimum(start + chunk, context_len)
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # the table width changes from step to step
+# the table width changes from step to step; the split count with the batch size
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr,
-    key_starts_ptr, out_ptr, partial_ptr, lse_ptr, qk_scale, v_scale,
+    key_starts_ptr, out_ptr, partial_ptr, lse_ptr, qk_scale, v_scale, num_splits,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
     stride_ot, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, CASCADE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr,
+    BLOCK_N: tl.constexpr, CASCADE: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr,
 ):
     _decode_split(
         tl.program_id(1), tl.program_id(0), tl.program_id(2), q_ptr, k_cache_ptr, v_cache_ptr,
         cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr, key_starts_ptr, out_ptr, partial_ptr,
-        lse_ptr, qk_scale, v_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
-        stride_bt, stride_ot, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
-        GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, NUM_SPLITS, CASCADE, DOT_DTYPE, FP8_ASM)
+        lse_ptr, qk_scale, v_scale, num_splits, stride_qt, stride_qh, stride_kb, stride_ks,
+        stride_kh, stride_bt, stride_ot, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb,
+        stride_ls, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, CASCADE, DOT_DTYPE, FP8_ASM)
 
 
 @triton.jit
 def _decode_split(
     seq, kv_head, split, q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr, context_lens_ptr,
     block_tables_ptr, key_starts_ptr, out_ptr, partial_ptr, lse_ptr, qk_scale, v_scale,
-    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+    num_splits, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
     stride_ot, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, CASCADE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr,
+    BLOCK_N: tl.constexpr, CASCADE: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr,
 ):
     """One (sequence, KV head, split) of decode attention (the cascade kernel runs it too)."""
     token = tl.load(cu_seqlens_q_ptr + seq)
@@ -79,7 +80,7 @@ def _decode_split(
     key_start = 0
     if CASCADE:  # keys before key_start are a shared prefix's, read once (kernels/cascade.py)
         key_start = tl.load(key_starts_ptr + seq)
-    start, end = _split_range(key_start, context_len, split, NUM_SPLITS, BLOCK_N)
+    start, end = _split_range(key_start, context_len, split, num_splits, BLOCK_N)
     if start >= end:
         return
 
@@ -117,23 +118,24 @@ def _decode_split(
         m_i = m_new
 
     out = acc * (v_scale / l_i)[:, None]  # v_scale: an FP8 cache's V scale (1 otherwise)
-    if NUM_SPLITS == 1 and not CASCADE:  # the one split is the answer: straight to the output
-        dst = out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
-        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    if (num_splits == 1) & (not CASCADE):  # the one split is the answer: straight to the output
+        final = (out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+                 + dims[None, :])
+        tl.store(final, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
     else:
-        dst = (partial_ptr + seq * stride_pb + split * stride_ps + heads[:, None] * stride_ph
-               + dims[None, :])
-        tl.store(dst, out, mask=row_mask[:, None])
+        part = (partial_ptr + seq * stride_pb + split * stride_ps + heads[:, None] * stride_ph
+                + dims[None, :])
+        tl.store(part, out, mask=row_mask[:, None])
         tl.store(lse_ptr + seq * stride_lb + split * stride_ls + heads, m_i + tl.log2(l_i),
                  mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "prefix_splits"])
 def _merge_splits_kernel(
     partial_ptr, lse_ptr, out_ptr, cu_seqlens_q_ptr, context_lens_ptr, key_starts_ptr,
-    stride_pb, stride_ps, stride_ph, stride_lb, stride_ls, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr,
+    num_splits, prefix_splits, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls, stride_ot,
+    stride_oh, NUM_HEADS: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, CASCADE: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
     """One program per (decode row, HEADS of its query heads): their splits' partial outputs
@@ -150,14 +152,14 @@ def _merge_splits_kernel(
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM)
     key_start = 0
-    if PREFIX_SPLITS > 0:
+    if CASCADE:
         key_start = tl.load(key_starts_ptr + seq)
-    start, end = _split_range(key_start, context_len, splits, NUM_SPLITS, BLOCK_N)
-    live = (splits < NUM_SPLITS) & (start < end)  # the splits that ran; the rest: stale scratch
-    if PREFIX_SPLITS > 0:  # then slots of the shared prefix's splits (kernels/cascade.py)
-        prefix = splits - NUM_SPLITS
-        start, end = _split_range(0, key_start, prefix, PREFIX_SPLITS, PREFIX_BLOCK_N)
-        live |= (prefix >= 0) & (prefix < PREFIX_SPLITS) & (start < end)
+    start, end = _split_range(key_start, context_len, splits, num_splits, BLOCK_N)
+    live = (splits < num_splits) & (start < end)  # the splits that ran; the rest: stale scratch
+    if CASCADE:  # then slots of the shared prefix's prefix_splits splits (kernels/cascade.py)
+        prefix = splits - num_splits
+        start, end = _split_range(0, key_start, prefix, prefix_splits, PREFIX_BLOCK_N)
+        live |= (prefix >= 0) & (prefix < prefix_splits) & (start < end)
     lse = tl.load(lse_ptr + seq * stride_lb + splits[None, :] * stride_ls + heads[:, None],
                   mask=live[None, :], other=float("-inf"))  # [HEADS, SPLITS_PAD]
     weight = tl.exp2(lse - tl.max(lse, 1)[:, None])  # 2^-inf = 0 for the dead splits
@@ -167,6 +169,12 @@ def _merge_splits_kernel(
     out = tl.sum(weight[:, :, None] * partial, 1) / tl.sum(weight, 1)[:, None]
     tl.store(out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
              + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+
+
+def splits_pad(num_slots: int) -> int:
+    """The merge's tile of split slots: a power of two, at least 16, so that a few compiled
+    merges serve every split count."""
+    return max(16, triton.next_power_of_2(num_slots))
 
 
 def decode_config(head_dim: int, fp8: bool = False) -> dict:
@@ -250,21 +258,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse = scratch[1][:size].view(num_seqs, num_splits, num_heads, 1)
     _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
         q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, context_lens, out, partial,
-        lse,
-        scale * k_scale * math.log2(math.e), v_scale,
+        lse, scale * k_scale * math.log2(math.e), v_scale, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=num_splits, CASCADE=False,
+        BLOCK_SIZE=k_cache.shape[1], CASCADE=False,
         **{**widen_config(q.dtype, k_cache.dtype), **cfg},
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
-            partial, lse, out, cu_seqlens_q, context_lens, context_lens,
+            partial, lse, out, cu_seqlens_q, context_lens, context_lens, num_splits, 0,
             partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEADS=1, HEAD_DIM=head_dim,
-            BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits, PREFIX_SPLITS=0, PREFIX_BLOCK_N=1,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            BLOCK_N=cfg["BLOCK_N"], CASCADE=False, PREFIX_BLOCK_N=1,
+            SPLITS_PAD=splits_pad(num_splits), num_warps=4,
         )
     return out

@@ -2,7 +2,8 @@
 
 Qwen2 adds a bias to the qkv projection, Qwen3 an RMSNorm on each query and key head; the rest is
 the same pre-norm transformer. Attention is PagedAttention's two halves: `write` (rotary, then each
-new token's K/V into the paged cache) and `read` (the pluggable backend, over the cache).
+new token's K/V into the paged cache) and `read` (the pluggable backend, over the cache). On CUDA
+the norms, the SwiGLU gate and the write are one Triton kernel each (nanovllm/kernels/).
 """
 import torch
 import torch.nn.functional as F
@@ -10,7 +11,6 @@ from torch import nn
 
 from nanovllm.attention import AttentionBackend, AttentionMetadata
 from nanovllm.attention.paged_attention import PagedAttention
-from nanovllm.layers.fused import fused
 from nanovllm.layers.linear import Embedding, Linear
 from nanovllm.layers.norm import RMSNorm
 from nanovllm.layers.rotary import RotaryEmbedding, rope_config
@@ -35,7 +35,6 @@ class Attention(nn.Module):
         return self.o_proj(self.attn.read(q, meta).flatten(1))
 
 
-@fused
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's gate: silu(gate) * up on a packed [gate | up] tensor."""
     gate, up = x.chunk(2, -1)
@@ -47,9 +46,13 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(hidden, [intermediate, intermediate])
         self.down_proj = Linear(intermediate, hidden)
+        self.silu_and_mul = silu_and_mul
+        if self.down_proj.weight.is_cuda:  # built on the GPU: one Triton kernel for the gate
+            from nanovllm.kernels.elementwise import silu_and_mul as kernel
+            self.silu_and_mul = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -99,7 +99,7 @@ class FullGraph:
 
     def __init__(self, forward, inputs: tuple, pool):
         self.forward = forward
-        forward(*inputs)  # warm up (torch.compile, the libraries' workspaces) outside the capture
+        forward(*inputs)  # warm up (Triton's compiles, libraries' workspaces) outside the capture
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool):
             self.hidden = forward(*inputs)
