@@ -297,10 +297,13 @@ def engine_options(args, mode: str) -> dict:
     return options
 
 
-def warm_up(llm: LLM, trace: str, seed: int):
-    """A few short requests at once, so that the measured runs compile and capture nothing."""
-    warm = [(p, min(o, 64)) for p, o in synthesize(trace, 8, seed + 7, llm.config.max_model_len)]
-    drive(llm, warm, [0.0] * len(warm), llm.config.hf_config["vocab_size"], seed + 7)
+def warm_up(llm: LLM, trace: str, seed: int, prefix: list[int] = ()):
+    """A few short requests at once, so that the measured runs compile and capture nothing (and,
+    with a shared prefix, find it cached as they would in a long run)."""
+    max_len = llm.config.max_model_len - len(prefix)
+    warm = [(p, min(o, 64)) for p, o in synthesize(trace, 8, seed + 7, max_len)]
+    drive(llm, warm, [0.0] * len(warm), llm.config.hf_config["vocab_size"], seed + 7,
+          prefix=prefix)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -332,9 +335,9 @@ def main():
     runs = []
     for mode in args.kv_reservation:
         llm = make_llm(args, **engine_options(args, mode))
-        warm_up(llm, args.trace, args.seed)
         vocab, max_len = llm.config.hf_config["vocab_size"], llm.config.max_model_len
         prefix = shared_prefix(args.prefix_len, vocab, args.seed)
+        warm_up(llm, args.trace, args.seed, prefix)
         requests = synthesize(args.trace, args.num_requests, args.seed, max_len - len(prefix))
         for rate in args.rate:
             arrivals = poisson_arrivals(rate, args.num_requests, args.seed)
