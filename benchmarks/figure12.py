@@ -38,7 +38,7 @@ time per step, and is aborted at the share's end (marked `cut`: it says neither 
 up nor that it falls behind). The JSON file is rewritten after every run, so a killed process
 leaves what it measured, with the setup (model, tensor parallelism, trace, KV blocks, device,
 commit). `--tiny` runs a small random model on the CPU with a cache that holds 3 requests of
-max_model_len.
+max_model_len (`prefix`: 1, as max_model_len is 512 there to hold the few-shot prefix).
 
 `plot` takes any number of JSON files and draws the paper's layouts, a panel per (model, trace):
 figure12_latency.png (normalized latency against request rate, a line per system),
@@ -47,18 +47,16 @@ per (model, prefix)), into --out-dir; it prints the tables and writes them to fi
 row per panel with each mode's sustained rate and paged's ratios to each, then each panel's runs. A
 mode sustains a rate when neither that run nor any at a lower rate fell behind.
 """
+import argparse
+import json
+import math
+import os
+import string
+import subprocess
+import sys
 import time
 
 STARTED = time.monotonic()  # --budget counts from here, before torch is imported
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import string  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serving  # noqa: E402
 
@@ -225,12 +223,13 @@ def serve(args, llm, mode: str, panel: dict, panel_end: float, out: dict):
 
 
 def last_end(arrivals: list[float], requests: list[tuple[int, int]], step_time: float) -> float:
-    """When the last request ends (seconds from the run's start) if each arrives, runs at once and
-    generates a token per step of `step_time`."""
+    """When the last request ends (seconds from the run's start) if each is scheduled as it arrives
+    and generates a token per step of `step_time`."""
     return max(a + output * step_time for a, (_, output) in zip(arrivals, requests))
 
 
 def device_name(llm) -> str:
+    """The GPU's name (the first of the tensor-parallel ones), or "CPU"."""
     import torch
     return torch.cuda.get_device_name() if llm.config.device == "cuda" else "CPU"
 
@@ -256,6 +255,7 @@ def kv_bytes_per_token(llm) -> int:
 
 
 def save(out: dict, path: str):
+    """Write the JSON file whole (nothing if path is empty)."""
     if path:
         with open(path + ".part", "w") as f:
             json.dump(out, f)
@@ -307,12 +307,14 @@ def model_name(panel: dict) -> str:
 
 
 def workload_name(panel: dict) -> str:
+    """The trace, and for Figure 16 the prefix: what a row of Figure 12 (a column of 16) varies."""
     if panel["figure"] == 16:
         return f"{panel['trace']}, {panel['shots']}-shot prefix ({panel['prefix_len']} tokens)"
     return panel["trace"]
 
 
 def panel_name(panel: dict) -> str:
+    """The workload and the model, short."""
     return f"{workload_name(panel)}, {panel['setup']['arch']}"
 
 
