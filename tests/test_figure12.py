@@ -46,6 +46,7 @@ def prefix_json(tmp_path_factory) -> str:
     return path
 
 
+@pytest.mark.slow  # runs figure12.py on the tiny model
 def test_run_records_its_setup(run_json):
     with open(run_json) as f:
         data = json.load(f)
@@ -65,6 +66,7 @@ def test_run_records_its_setup(run_json):
     assert batch["paged"] > batch["max"]
 
 
+@pytest.mark.slow  # runs figure12.py on the tiny model
 def test_prefix_is_shared_by_paged_memory_only(prefix_json):
     with open(prefix_json) as f:
         data = json.load(f)
@@ -81,6 +83,7 @@ def test_prefix_is_shared_by_paged_memory_only(prefix_json):
         assert all(panel["modes"][m]["runs"] for m in ("paged", "oracle"))
 
 
+@pytest.mark.slow  # runs figure12.py on the tiny model
 def test_budget_bounds_the_whole_command(tmp_path):
     """Saturated and Poisson runs that would take minutes stop with the budget, builds counted."""
     path = str(tmp_path / "budget.json")
@@ -154,6 +157,7 @@ def test_grid_is_the_papers_layout():
         ["(a) sharegpt", small], ["(b) sharegpt", big], ["(c) alpaca", small], ["(d) alpaca", big]]
 
 
+@pytest.mark.slow  # runs figure12.py on the tiny model
 def test_plot_of_several_files(run_json, prefix_json, tmp_path):
     """Two models x two traces for Figures 12, 13 and 2, and Figure 16's two prefixes."""
     with open(run_json) as f:
