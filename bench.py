@@ -4,8 +4,8 @@ By default it reproduces nano-vllm's published workload exactly: random.seed(0);
 randint(100, 1024) random token ids in [0, 10000]; max_tokens=randint(100, 1024); temperature 0.6;
 ignore_eos; max_model_len 4096; one warm-up generate; throughput = sum(max_tokens) / wall time.
 Without --model it runs an architecture of benchmarks/archs.json (--arch: Qwen3-0.6B, Qwen3-8B,
-SmolLM2-135M) with random weights; `--tp 2` splits it over 2 GPUs. Each row also gives the seconds
-that building the engine took (`LLM(...)`: weights, memory profile, CUDA graphs).
+Qwen3-32B, SmolLM2-135M) with random weights; `--tp 2` splits it over 2 GPUs. Each row also gives
+the seconds that building the engine took (`LLM(...)`: weights, memory profile, CUDA graphs).
 `--table` runs the batch x length grid (output length = input length) and reports decode tokens/s.
 `--kv-cache-dtype auto fp8` runs each backend with each KV cache dtype, in one run (a row each).
 `--workload shared-prefix` (16 system prompts of 1,024 tokens, 16 requests each with 32 tokens of

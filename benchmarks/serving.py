@@ -9,6 +9,11 @@ spread per trace (sigma of the log: ShareGPT 1.0 and 0.9, Alpaca 0.5 and 0.6; Sh
 as in the paper), clipped as the paper's 2048-token OPT models clip them (prompts to half of
 max_model_len, outputs to what is left, both to [2, 2048]); the log-means are fitted so that the
 clipped lengths have the paper's means at max_model_len=2048. Prompts are random token ids.
+A third trace, `wmt16`, stands for the paper's translation workload (section 6.4, Figure 16: WMT16
+English-to-German), whose lengths the paper does not give. Chosen here: a sentence to translate of
+32 tokens on average (a news sentence of about 25 words) and its translation of 40 (German takes
+more tokens), log-sigmas 0.5 and 0.5. `--prefix-len` puts the same random prefix before every
+prompt (the paper's few-shot instruction and examples, shared by all requests).
 
 The script drives the engine in process, on the wall clock: `add_request` when a request arrives,
 `step()` in between. Per request it records the time to first token (TTFT), the mean time per output
@@ -35,6 +40,7 @@ from nanovllm.core.sequence import num_blocks_for  # noqa: E402
 TRACES = {  # (mean, sigma of the log) of prompt and output lengths
     "sharegpt": ((161.31, 1.0), (337.99, 0.9)),
     "alpaca": ((19.31, 0.5), (58.45, 0.6)),
+    "wmt16": ((32.0, 0.5), (40.0, 0.5)),  # a sentence and its translation (Figure 16's workload)
 }
 PAPER_MAX_LEN = 2048  # OPT's longest sequence: the paper's traces fit in it
 MODES = {"paged": None, "oracle": "oracle", "pow2": "pow2", "max": "max"}  # --kv-reservation
@@ -77,6 +83,11 @@ def synthesize(trace: str, num_requests: int, seed: int,
     return list(zip(prompt.tolist(), output.tolist()))
 
 
+def shared_prefix(num_tokens: int, vocab: int, seed: int) -> list[int]:
+    """Random token ids that every prompt of a run starts with (a shared instruction)."""
+    return np.random.default_rng(seed + 3).integers(vocab, size=num_tokens).tolist()
+
+
 def poisson_arrivals(rate: float, num_requests: int, seed: int) -> list[float]:
     """Arrival times (seconds from the start) of a Poisson process of `rate` requests per second:
     independent exponential gaps of mean 1 / rate."""
@@ -97,10 +108,14 @@ def kv_breakdown(block_manager, seqs) -> dict[str, int]:
     last block that holds tokens, whole blocks reserved for tokens the request will compute later,
     whole blocks it will never fill (it ends first: over-reservation), and free slots. A request's
     final length is known here (the benchmark ignores end-of-sequence tokens). A block shared by
-    several sequences (n > 1, prefix hits) would count once for each; the benchmark shares none."""
+    several sequences (a prefix-cache hit) counts once, for the first of them: it is a full block
+    of computed tokens, so the others count it out of their token states."""
     bs = block_manager.block_size
     out = dict.fromkeys(BREAKDOWN, 0)
+    seen = set()  # block ids counted already
     for seq in seqs:
+        shared = sum(block_id in seen for block_id in seq.block_table)
+        seen.update(seq.block_table)
         held = len(seq.block_table) * bs
         computed = min(seq.num_computed_tokens, held)
         filled = num_blocks_for(computed, bs) * bs  # the blocks holding tokens
@@ -109,7 +124,7 @@ def kv_breakdown(block_manager, seqs) -> dict[str, int]:
             max_len = seq.num_prompt_tokens + seq.params.max_tokens
         last = num_blocks_for(max_len - 1, bs) * bs  # its last token gets no K/V
         will_fill = min(held, max(filled, last))
-        out["tokens"] += computed
+        out["tokens"] += computed - shared * bs
         out["tail"] += filled - computed
         out["reserved_later"] += will_fill - filled
         out["reserved_never"] += held - will_fill
@@ -119,11 +134,12 @@ def kv_breakdown(block_manager, seqs) -> dict[str, int]:
 
 def drive(llm: LLM, requests: list[tuple[int, int]], arrivals: list[float], vocab: int, seed: int,
           on_step=None, sample_every: float = 0.0, deadline: float = math.inf,
-          backlog: int = 0) -> dict:
+          backlog: int = 0, prefix: list[int] = ()) -> dict:
     """Serve the requests as they arrive, or with backlog > 0 whenever fewer than `backlog` wait
     (the engine is never short of work: a saturated run), until all end or `deadline` seconds pass
-    (the rest are then aborted). Per-run figures, per-request records, the step timeline, and every
-    `sample_every` seconds a sample of SAMPLE_FIELDS (running, waiting, tokens generated, KV)."""
+    (the rest are then aborted). Every prompt is `prefix` and then its own random tokens. Per-run
+    figures, per-request records, the step timeline, and every `sample_every` seconds a sample of
+    SAMPLE_FIELDS (running, waiting, tokens generated, KV)."""
     rng = np.random.default_rng(seed + 2)
     legacy = "output_kind" not in SamplingParams.__dataclass_fields__  # before RequestOutputs
     index_of, done, arrived, timeline, samples = {}, {}, [], [], []
@@ -151,7 +167,7 @@ def drive(llm: LLM, requests: list[tuple[int, int]], arrivals: list[float], voca
             extra = {} if legacy else {"output_kind": "final"}
             params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=requests[nxt][1],
                                     **extra)
-            prompt = rng.integers(vocab, size=requests[nxt][0]).tolist()
+            prompt = list(prefix) + rng.integers(vocab, size=requests[nxt][0]).tolist()
             index_of[llm.add_request(prompt, params)] = nxt
             arrived.append(now if backlog else arrivals[nxt])
             nxt += 1
@@ -184,7 +200,8 @@ def drive(llm: LLM, requests: list[tuple[int, int]], arrivals: list[float], voca
     for i, (finished_at, out) in done.items():
         metrics = None if legacy else out.metrics
         records.append(dict(prompt=requests[i][0], output=requests[i][1],
-                            e2e=finished_at - arrived[i],
+                            e2e=finished_at - arrived[i], prefix=len(prefix),
+                            cached=None if legacy else out.num_cached_tokens,
                             queue=metrics.queue_time if metrics else None,
                             ttft=metrics.time_to_first_token if metrics else None,
                             tpot=metrics.time_per_output_token if metrics else None))
@@ -269,6 +286,8 @@ def make_llm(args, **options) -> LLM:
 def engine_options(args, mode: str) -> dict:
     """The engine options of this command line, with kv_reservation for `mode` (a key of MODES)."""
     options = {"kv_reservation": MODES[mode]}
+    if args.tensor_parallel_size > 1:
+        options["tensor_parallel_size"] = args.tensor_parallel_size
     if args.prefill_first:
         options["prefill_first"] = True
     if args.block_size:
@@ -278,10 +297,13 @@ def engine_options(args, mode: str) -> dict:
     return options
 
 
-def warm_up(llm: LLM, trace: str, seed: int):
-    """A few short requests at once, so that the measured runs compile and capture nothing."""
-    warm = [(p, min(o, 64)) for p, o in synthesize(trace, 8, seed + 7, llm.config.max_model_len)]
-    drive(llm, warm, [0.0] * len(warm), llm.config.hf_config["vocab_size"], seed + 7)
+def warm_up(llm: LLM, trace: str, seed: int, prefix: list[int] = ()):
+    """A few short requests at once, so that the measured runs compile and capture nothing (and,
+    with a shared prefix, find it cached as they would in a long run)."""
+    max_len = llm.config.max_model_len - len(prefix)
+    warm = [(p, min(o, 64)) for p, o in synthesize(trace, 8, seed + 7, max_len)]
+    drive(llm, warm, [0.0] * len(warm), llm.config.hf_config["vocab_size"], seed + 7,
+          prefix=prefix)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -296,6 +318,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--attn-backend", default="triton", choices=["flash", "triton", "sdpa"])
     p.add_argument("--arch", default="Qwen3-0.6B", help="random weights of benchmarks/archs.json's")
     p.add_argument("--num-kvcache-blocks", type=int, default=0, help="0: as much as fits")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split on")
+    p.add_argument("--prefix-len", type=int, default=0, help="tokens every prompt starts with")
     p.add_argument("--block-size", type=int, default=0, help="KV block size (0: the engine's)")
     p.add_argument("--max-model-len", type=int, default=0, help="0: the engine's default")
     p.add_argument("--sample-every", type=float, default=0.05, help="seconds between KV samples")
@@ -311,13 +335,14 @@ def main():
     runs = []
     for mode in args.kv_reservation:
         llm = make_llm(args, **engine_options(args, mode))
-        warm_up(llm, args.trace, args.seed)
         vocab, max_len = llm.config.hf_config["vocab_size"], llm.config.max_model_len
-        requests = synthesize(args.trace, args.num_requests, args.seed, max_len)
+        prefix = shared_prefix(args.prefix_len, vocab, args.seed)
+        warm_up(llm, args.trace, args.seed, prefix)
+        requests = synthesize(args.trace, args.num_requests, args.seed, max_len - len(prefix))
         for rate in args.rate:
             arrivals = poisson_arrivals(rate, args.num_requests, args.seed)
             result = drive(llm, requests, arrivals, vocab, args.seed,
-                           sample_every=args.sample_every)
+                           sample_every=args.sample_every, prefix=prefix)
             print(f"{args.trace}, {mode}, rate {rate}, {args.num_requests} requests, "
                   f"{llm.config.attn_backend}, prefill_first={args.prefill_first}: "
                   f"{summary(result)}", flush=True)

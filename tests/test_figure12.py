@@ -1,0 +1,181 @@
+"""benchmarks/figure12.py on a tiny CPU model: the setup its JSON records (tensor parallelism
+included), Figure 16's shared prefix (shared by paged memory, by no reservation), a --budget that
+bounds the whole command, and the panels and tables that `plot` draws from several files."""
+import json
+import os
+import subprocess
+import sys
+import time
+from argparse import Namespace
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "benchmarks", "figure12.py")
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import figure12  # noqa: E402
+import serving  # noqa: E402
+
+QUICK = ["--tiny", "--saturate", "1", "--duration", "1", "--min-requests", "5"]
+
+
+def figure12_command(*words: str, timeout: float = 120) -> float:
+    """Run figure12.py with these arguments; its wall time in seconds."""
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, SCRIPT, *map(str, words)], capture_output=True,
+                            text=True, timeout=timeout, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": REPO})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return time.monotonic() - started
+
+
+@pytest.fixture(scope="module")
+def run_json(tmp_path_factory) -> str:
+    """Figure 12's command on two ranks (gloo): paged and Orca (Max) on Alpaca."""
+    path = str(tmp_path_factory.mktemp("figure12") / "alpaca.json")
+    figure12_command("run", *QUICK, "--trace", "alpaca", "--tensor-parallel-size", 2, "--modes",
+                     "paged", "max", "--fractions", 0.5, 1.0, "--budget", 40, "-o", path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prefix_json(tmp_path_factory) -> str:
+    """Figure 16's command: both prefixes, paged with prefix caching and Orca (Oracle) without."""
+    path = str(tmp_path_factory.mktemp("figure16") / "prefix.json")
+    figure12_command("prefix", *QUICK, "--fractions", 0.5, "--budget", 40, "-o", path)
+    return path
+
+
+@pytest.mark.slow  # runs figure12.py on the tiny model
+def test_run_records_its_setup(run_json):
+    with open(run_json) as f:
+        data = json.load(f)
+    setup = data["setup"]
+    assert setup["tensor_parallel_size"] == 2 and setup["arch"] == "tiny"
+    assert setup["num_kvcache_blocks"] == 48 and setup["block_size"] == 16
+    assert data["device"] == "CPU" and data["budget"] == 40
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True).stdout.strip()
+    assert head and data["commit"].startswith(head)
+    [panel] = data["panels"]
+    assert panel["figure"] == 12 and panel["trace"] == "alpaca"
+    for mode in ("paged", "max"):
+        assert panel["modes"][mode]["saturated"]["capacity"] > 0
+        assert panel["modes"][mode]["runs"], mode
+    batch = {m: panel["modes"][m]["saturated"]["sampled_running"] for m in ("paged", "max")}
+    assert batch["paged"] > batch["max"]
+
+
+@pytest.mark.slow  # runs figure12.py on the tiny model
+def test_prefix_is_shared_by_paged_memory_only(prefix_json):
+    with open(prefix_json) as f:
+        data = json.load(f)
+    slots = data["setup"]["num_kvcache_blocks"] * data["setup"]["block_size"]
+    assert [(p["figure"], p["shots"], p["prefix_len"]) for p in data["panels"]] == [
+        (16, 1, 80), (16, 5, 341)]
+    for panel in data["panels"]:
+        paged, oracle = (panel["modes"][m]["saturated"] for m in ("paged", "oracle"))
+        assert paged["prefix_hits"] > 0.5 and oracle["prefix_hits"] == 0, panel["shots"]
+        assert paged["sampled_running"] > oracle["sampled_running"], panel["shots"]
+        # a block shared by the running requests is counted once: the slots add up to the cache
+        held = sum(paged["kv_slots"][k] for k in serving.BREAKDOWN)
+        assert held == pytest.approx(slots), panel["shots"]
+        assert all(panel["modes"][m]["runs"] for m in ("paged", "oracle"))
+
+
+@pytest.mark.slow  # runs figure12.py on the tiny model
+def test_budget_bounds_the_whole_command(tmp_path):
+    """Saturated and Poisson runs that would take minutes stop with the budget, builds counted."""
+    path = str(tmp_path / "budget.json")
+    budget = 12
+    wall = figure12_command("run", "--tiny", "--modes", "paged", "oracle", "--saturate", 60,
+                            "--duration", 60, "--fractions", 0.5, "--budget", budget, "-o", path)
+    assert wall < budget + 6
+    with open(path) as f:
+        modes = json.load(f)["panels"][0]["modes"]
+    assert list(modes) == ["paged", "oracle"]
+    assert all(0 < m["saturated"]["wall"] < budget / 2 + 1 for m in modes.values())
+
+
+def fake_run(rate: float, fell_behind: bool = False, cut: bool = False) -> dict:
+    return dict(rate=rate, queue_p50=1.0 if fell_behind else 0.001, tpot_p50=0.01, unfinished=0,
+                cut=cut)
+
+
+def test_sustained_rate():
+    runs = [fake_run(1), fake_run(2), fake_run(3, fell_behind=True), fake_run(4)]
+    assert figure12.sustained(runs, 10) == 2
+    assert figure12.sustained([fake_run(1), fake_run(2, cut=True), fake_run(3)], 10) == 1
+    assert figure12.sustained([fake_run(1, fell_behind=True)], 10) == 0
+
+
+def fake_panel(arch: str, trace: str, rates: dict[str, tuple[float, float]]) -> dict:
+    """A Figure 12 panel whose modes sustain rates[mode][0] and saturate at rates[mode][1]."""
+    modes = {m: dict(saturated=dict(capacity=saturated),
+                     runs=[fake_run(rate / 2), fake_run(rate), fake_run(rate * 1.5, True)])
+             for m, (rate, saturated) in rates.items()}
+    return dict(figure=12, trace=trace, prefix_len=0, queue_steps=10, device="GPU", modes=modes,
+                setup=dict(arch=arch, tensor_parallel_size=2 if arch == "big" else 1,
+                           num_kvcache_blocks=984, block_size=16))
+
+
+def test_summary_table_gives_papers_ratios():
+    rates = dict(paged=(10.0, 9.0), oracle=(5.0, 6.0), pow2=(4.0, 4.5), max=(2.0, 3.0))
+    table = figure12.summary_table([fake_panel("small", "sharegpt", rates)])
+    row = table.splitlines()[-1]
+    assert row.startswith("| 12 | small, GPU, 15,744 KV slots | sharegpt | 10.00 (9.00) | "
+                          "5.00 (6.00) |")
+    assert row.endswith("| 2.00 (1.50) | 2.50 (2.00) | 5.00 (3.00) |")
+    paged_only = figure12.summary_table([fake_panel("big", "alpaca", dict(paged=(10.0, 9.0)))])
+    assert paged_only.splitlines()[-1] == (
+        "| 12 | big, 2 x GPU, 15,744 KV slots | alpaca | 10.00 (9.00) | - | - | - | - | - | - |")
+
+
+def test_modes_of_one_panel_from_two_files(tmp_path):
+    """Modes that two commands measured on the same model, cache and trace make one panel."""
+    paths = []
+    for rates in (dict(max=(2.0, 3.0), oracle=(5.0, 6.0)), dict(paged=(10.0, 9.0))):
+        panel = fake_panel("small", "sharegpt", rates)
+        common = {k: panel.pop(k) for k in ("setup", "device", "queue_steps")}
+        paths.append(str(tmp_path / f"{len(paths)}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(dict(common, panels=[panel]), f)
+    [panel] = figure12.load(paths)
+    assert list(panel["modes"]) == ["paged", "oracle", "max"]
+    assert len(figure12.load(paths[:1] + [paths[0]])) == 1
+
+
+def test_grid_is_the_papers_layout():
+    """A row per trace, a column per model: 2 models x 2 traces in four panels, (a) to (d)."""
+    rates = dict(paged=(10.0, 9.0))
+    panels = [fake_panel(arch, trace, rates) for trace in ("sharegpt", "alpaca")
+              for arch in ("small", "big")]
+    fig, placed = figure12.grid(panels, lambda p: p["trace"], figure12.model_name, (2, 2))
+    assert fig.axes[0].get_subplotspec().get_gridspec().get_geometry() == (2, 2)
+    small, big = "small, GPU, 15,744 KV slots", "big, 2 x GPU, 15,744 KV slots"
+    assert [title.split("\n") for _, _, title in placed] == [
+        ["(a) sharegpt", small], ["(b) sharegpt", big], ["(c) alpaca", small], ["(d) alpaca", big]]
+
+
+@pytest.mark.slow  # runs figure12.py on the tiny model
+def test_plot_of_several_files(run_json, prefix_json, tmp_path):
+    """Two models x two traces for Figures 12, 13 and 2, and Figure 16's two prefixes."""
+    with open(run_json) as f:
+        data = json.load(f)
+    paths = [run_json, prefix_json]
+    for arch, trace in (("Qwen3-8B", "alpaca"), ("tiny", "sharegpt"), ("Qwen3-8B", "sharegpt")):
+        data["setup"]["arch"], data["panels"][0]["trace"] = arch, trace
+        paths.append(str(tmp_path / f"{arch}_{trace}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(data, f)
+    out = tmp_path / "plots"
+    figure12.plot(Namespace(results=paths, out_dir=str(out)))
+    for name in ("figure12_latency.png", "figure13_batch.png", "figure2_memory.png",
+                 "figure2_memory_time.png", "figure16_latency.png"):
+        assert (out / name).stat().st_size > 10_000, name
+    text = (out / "figure12.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith(("| 12 |", "| 16 |"))]
+    assert len(rows) == 6
+    assert sum(row.startswith("| 16 | tiny, CPU, 768 KV slots | wmt16, 5-shot prefix (341 tokens)")
+               for row in rows) == 1
+    assert text.count("### Figure 12,") == 4 and text.count("### Figure 16,") == 2
