@@ -257,8 +257,8 @@ def run_rate(url: str, headers: dict, requests: list[tuple[list[int], int]], rat
         cpu.update({name: (cpu_seconds(p) - cpu_before[name]) / wall for name, p in pids.items()})
         samples = stats.stop()
     finally:
-        if pool is not None:
-            pool.close()
+        if pool is not None:  # its processes have returned their shares, or are cut short
+            pool.terminate()
             pool.join()
     results = [r for part in parts for r in part["results"]]
     ok = [r for r in results if "error" not in r]
@@ -479,6 +479,7 @@ def run_server(args, spec: str | None) -> tuple[dict, list[dict]]:
 def main():
     args = parser().parse_args()
     check_args(args)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: still stop the server
     raise_open_files_limit()
     device_name()  # before any server starts
     flag_sets = args.compare or [""]

@@ -265,6 +265,8 @@ def compare_launches(args, prompts: list[list[int]], device: str):
         with open(args.result, "w") as f:
             json.dump({"token_ids": tokens, "seconds": seconds, "logprobs": logprobs}, f)
         return
+    # a SIGTERM (`timeout`) still runs the cleanup that stops the torchrun hosts
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     local, local_s, local_logprobs = run(path, prompts, args.max_tokens, repeat, **options)
     if device == "cuda":
         torch.cuda.empty_cache()  # the GPUs to the torchrun hosts
