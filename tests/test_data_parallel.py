@@ -1,8 +1,9 @@
 """Data-parallel replicas behind one server (nanovllm/serve/replicas.py), live on 127.0.0.1 with
 `--data-parallel-size 2` and a random model that speaks SmolLM2's vocabulary: concurrent requests
 spread over both replicas and match one engine's greedy text; prompts sharing a first KV block go to
-one replica (whose prefix cache then serves them); a replica killed mid-run fails its requests, is
-named by /health, and leaves the other serving; SIGTERM stops the server and every replica."""
+one replica (whose prefix cache then serves them), or to both with `--routing least-loaded`; a
+replica killed mid-run fails its requests, is named by /health, and leaves the other serving;
+SIGTERM stops the server and every replica."""
 import os
 import signal
 import threading
@@ -202,6 +203,47 @@ def test_router_keeps_a_prefix_on_its_replica_until_it_is_much_busier():
     assert router.choose(shared, {0: 0}, routed) == 0  # its replica out of service
     assert prefix_key([1, 2, 3], 4) is None and prefix_key([1, 2, 3, 4, 5], 4) == \
         prefix_key([1, 2, 3, 4, 6], 4)
+
+
+def test_least_loaded_routing_spreads_a_shared_prefix_that_prefix_routing_keeps():
+    from nanovllm.serve.replicas import Router
+    shared = [7, 7, 7, 7]
+    for routing, expected in (("prefix", [0, 0, 0, 0]), ("least-loaded", [0, 1, 0, 1])):
+        router, loads, routed = Router(block_size=4, routing=routing), {0: 0, 1: 0}, {0: 0, 1: 0}
+        chosen = []
+        for i in range(4):  # sent at once: each still holds the requests it took
+            chosen.append(router.choose(shared + [i], loads, routed))
+            loads[chosen[-1]] += 1
+            routed[chosen[-1]] += 1
+        assert chosen == expected, routing
+
+
+def test_a_routing_that_does_not_exist_is_refused(capsys):
+    from nanovllm.serve.cli import build_parser
+    from nanovllm.serve.replicas import Router
+    with pytest.raises(ValueError, match="routing='random': use one of prefix, least-loaded"):
+        Router(block_size=16, routing="random")
+    assert build_parser().parse_args(["m"]).routing == "prefix"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["m", "--routing", "random"])
+    assert "--routing: invalid choice: 'random'" in capsys.readouterr().err
+
+
+def test_least_loaded_server_spreads_a_shared_prefix(random_smol, smollm2_dir):
+    """`--routing least-loaded` reaches the router: requests sharing a first block, sent at once,
+    land on both replicas (test_shared_prefix_goes_to_one_replica: one, by default)."""
+    srv = Server(random_smol, *SMALL_ENGINE, "--tokenizer", smollm2_dir,
+                 "--data-parallel-size", "2", "--routing", "least-loaded")
+    try:
+        prefix = list(range(2000, 2020))
+        bodies = [{"prompt": prefix + [3000 + i], "max_tokens": 32, "temperature": 0,
+                   "ignore_eos": True} for i in range(6)]
+        responses = complete_all(srv, bodies)
+        assert all(r is not None and r.status_code == 200 for r in responses)
+        counts = routed(srv)
+    finally:
+        srv.kill()
+    assert sum(counts) == 6 and min(counts) >= 1, counts
 
 
 def test_each_replica_sees_its_own_gpus():

@@ -1,6 +1,7 @@
 """Tensor parallelism across hosts: two torchrun "hosts" on 127.0.0.1 (one rank each, gloo on CPU)
 give the greedy tokens of one rank; rank 0 alone runs the rest of the script, or serves HTTP; a
-WORLD_SIZE that is not tensor_parallel_size is refused."""
+WORLD_SIZE that is not tensor_parallel_size is refused; benchmarks/tp_check.py --torchrun, the GPU
+measurement, runs its whole flow."""
 import json
 import os
 import signal
@@ -185,3 +186,18 @@ def test_the_workers_end_when_rank_0_dies(model, tmp_path):
     lines = [line for _, output in results for line in output.splitlines()
              if line.startswith("RANK ")]
     assert lines == ["RANK 0 KILLED"]
+
+
+def test_tp_check_compares_local_workers_with_two_hosts(tmp_path):
+    """The GPU command `benchmarks/tp_check.py --torchrun`, on CPU: the local launch and the two
+    torchrun hosts it starts agree token for token and in every log-probability."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    r = subprocess.run([sys.executable, "benchmarks/tp_check.py", "--torchrun", "--tiny",
+                        "--model-dir", str(tmp_path / "tp-check"),
+                        "--num-prompts", "4", "--repeat", "1"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "| torchrun, 2 hosts | 64 |" in r.stdout
+    assert "tokens equal: yes (64/64 tokens, 4/4 sequences" in r.stdout
+    assert "equal: yes (largest difference 0)" in r.stdout

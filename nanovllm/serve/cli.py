@@ -25,6 +25,7 @@ import typing
 from dataclasses import MISSING, fields
 
 from nanovllm.config import Config
+from nanovllm.serve.replicas import ROUTINGS, Replicas
 
 SERVER_ONLY = {"model", "hf_config", "torch_dtype"}  # Config fields that are not flags
 # Config fields whose "" lets the engine choose: "auto" on the command line
@@ -93,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="engines serving in processes of their own, each on its own GPUs "
                              "(nanovllm/serve/replicas.py); 1: one engine in this process "
                              "(default 1)")
+    server.add_argument("--routing", default="prefix", choices=ROUTINGS,
+                        help="which replica takes a request: the one that last took its first KV "
+                             "block, else the least loaded (prefix), or always the least loaded "
+                             "(least-loaded); with --data-parallel-size > 1 (default: prefix)")
     server.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     server.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -138,8 +143,7 @@ def main(argv: list[str] | None = None) -> int:
               "127.0.0.1.", file=sys.stderr, flush=True)
     options = {"log_stats": True, **engine_options(args)}  # /v1/stats counts tokens
     if args.data_parallel_size > 1:
-        from nanovllm.serve.replicas import Replicas
-        llm = Replicas(args.model, options, args.data_parallel_size)
+        llm = Replicas(args.model, options, args.data_parallel_size, args.routing)
     else:
         from nanovllm import LLM
         llm = LLM(args.model, **options)

@@ -3,12 +3,14 @@ SGLang's cache-aware router): `nanovllm serve MODEL --data-parallel-size R` runs
 a process of its own on its own GPU (or its group of tensor_parallel_size GPUs; on a CPU, its
 share of the cores), and the server sends each request to one of them.
 
-Routing. A replica's prefix cache only helps the requests that land on it, so a request goes to the
-replica that last took a prompt with the same first KV block (a hash of its token ids, remembered
-in an LRU map hash -> replica), unless that replica holds BALANCE_SLACK more requests than the
-least loaded one (SGLang's balance threshold); otherwise to the least loaded replica (its requests
-waiting or running; ties go to the one that took fewer so far). The prompts of one HTTP request go
-to one replica, so they are queued all or none.
+Routing (`--routing`). A replica's prefix cache only helps the requests that land on it, so by
+default ("prefix") a request goes to the replica that last took a prompt with the same first KV
+block (a hash of its token ids, remembered in an LRU map hash -> replica), unless that replica
+holds BALANCE_SLACK more requests than the least loaded one (SGLang's balance threshold);
+otherwise to the least loaded replica (its requests waiting or running; ties go to the one that
+took fewer so far). "least-loaded" always takes the least loaded replica (vLLM's DP balancing),
+so a shared prefix is cached, and computed, on every replica it reaches. The prompts of one HTTP
+request go to one replica, so they are queued all or none.
 
 Plumbing. The server process checks and tokenizes prompts itself (the input processor needs only the
 config and the tokenizer) and sends a replica plain tuples down a pipe, through a sender thread so
@@ -38,6 +40,7 @@ from nanovllm.serve.engine_thread import EngineFailure, settle
 log = logging.getLogger("nanovllm.serve")
 BALANCE_SLACK = 32       # requests a replica may hold above the least loaded and keep its prefixes
 PREFIX_MEMORY = 1 << 16  # prefix hashes remembered (least recently routed forgotten first)
+ROUTINGS = ("prefix", "least-loaded")  # --routing
 
 
 def prefix_key(token_ids: list[int], block_size: int) -> int | None:
@@ -51,15 +54,21 @@ def replica_devices(index: int, group_size: int, visible: list[str]) -> str:
 
 
 class Router:
-    """Which replica gets a prompt: the one that holds its prefix, else the least loaded."""
+    """Which replica gets a prompt: with routing="prefix", the one that holds its prefix, else the
+    least loaded; with routing="least-loaded", always the least loaded."""
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, routing: str = "prefix"):
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing={routing!r}: use one of {', '.join(ROUTINGS)}")
         self.block_size = block_size
+        self.by_prefix = routing == "prefix"
         self.owners: OrderedDict[int, int] = OrderedDict()  # prefix hash -> replica index
 
     def choose(self, token_ids: list[int], loads: dict[int, int], routed: dict[int, int]) -> int:
         """loads: each replica in service -> the requests it holds; routed: -> requests it took."""
         least = min(loads, key=lambda i: (loads[i], routed[i]))
+        if not self.by_prefix:
+            return least
         key = prefix_key(token_ids, self.block_size)
         owner = self.owners.get(key)
         keep = owner in loads and loads[owner] <= loads[least] + BALANCE_SLACK
@@ -200,13 +209,13 @@ class Replica:
 class Replicas:
     """R engine processes behind one server, with EngineThread's interface (see the docstring)."""
 
-    def __init__(self, model: str, options: dict, size: int):
+    def __init__(self, model: str, options: dict, size: int, routing: str = "prefix"):
         from nanovllm.config import Config
         from nanovllm.engine.input_processor import InputProcessor, load_tokenizer
         self.config = config = Config.from_options(model, **options)
+        self.router = Router(config.kvcache_block_size, routing)
         tokenizer = config.tokenizer or model
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(tokenizer)
-        self.router = Router(config.kvcache_block_size)
         self.call_ids = itertools.count()
         self.num_adding = 0  # requests handed over but not yet queued (the loop's count)
         self.stopping = False
