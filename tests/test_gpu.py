@@ -128,6 +128,23 @@ def test_shutdown_frees_the_gpu_for_the_next_engine(qwen3_dir):
     assert blocks[-1] >= 0.95 * blocks[0], blocks
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tensor_parallel_engine_shuts_down(qwen3_dir):
+    """tensor_parallel_size=2 on the default configuration (CUDA graphs, cascade's twins, all of
+    them holding NCCL collectives): shutdown() returns on every rank. Run in a process of its own
+    with a time limit, so that a hang fails the test instead of stopping the suite."""
+    import subprocess
+    import sys
+    script = ("import sys\nfrom nanovllm import LLM, SamplingParams\n"
+              "llm = LLM(sys.argv[1], tensor_parallel_size=2, skip_tokenizer_init=True, "
+              "max_model_len=2048, gpu_memory_utilization=0.5)\n"
+              "llm.generate([[1] * 300] * 8, SamplingParams(max_tokens=16), use_tqdm=False)\n"
+              "llm.shutdown()\nprint('shut down')\n")
+    out = subprocess.run([sys.executable, "-c", script, qwen3_dir], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and "shut down" in out.stdout, out.stderr[-2000:]
+
+
 def test_penalties_in_cuda_graph_steps_equal_eager_steps(qwen3_dir):
     """Penalties and min_tokens act on the logits a CUDA graph returns, with the tokens of the step
     in flight filled in on the device: the same greedy tokens as eager steps, and not those of the

@@ -160,8 +160,10 @@ class CUDAGraphs:
             runner.backend.cascade.capture_twins(runner, self)
         self.capture_seconds = time.perf_counter() - start  # what they cost: bench.py prints it
         self.capture_bytes = torch.cuda.memory_reserved(runner.device) - memory
-        if hasattr(runner, "tp"):
-            runner.tp.graphs = self.graphs  # destroyed before NCCL shuts down (TPGroup.close)
+        if hasattr(runner, "tp"):  # destroyed before NCCL shuts down (TPGroup.close)
+            runner.tp.graphs = [self.graphs, self.samplers]
+            if runner.backend.cascade is not None:
+                runner.tp.graphs.append(runner.backend.cascade.twins)
 
     def decode_forward(self, runner):
         """A decode step as its graph holds it: placeholders filled from the last step's tokens, the

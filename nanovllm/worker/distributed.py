@@ -46,8 +46,9 @@ class TPGroup:
     local_rank: int = 0  # this rank's GPU on its host: cuda:local_rank
     # (rank 0) the workers are waiting for a step, so a message can reach them
     idle: bool = False
-    # this rank's CUDA graphs, which captured device_group collectives
-    graphs: dict = field(default_factory=dict)
+    # the dicts that hold this rank's CUDA graphs (the steps' and cascade's twins), which captured
+    # device_group collectives
+    graphs: list[dict] = field(default_factory=list)
 
     def send_step(self, step):
         """Rank 0: hand the workers the next forward pass (None: stop)."""
@@ -72,14 +73,17 @@ class TPGroup:
 
     def close(self):
         """Shut the groups down; every rank does it at once. NCCL frees a communicator only when the
-        CUDA graphs that captured its collectives are gone, so they go first."""
-        self.graphs.clear()
+        CUDA graphs that captured its collectives are gone (every one of them: else shutdown waits
+        forever), so they go first."""
+        for graphs in self.graphs:
+            graphs.clear()
         self.device_group.shutdown()
         self.cpu_group.shutdown()
 
     def abort(self):
         """Close without waiting for the other ranks."""
-        self.graphs.clear()
+        for graphs in self.graphs:
+            graphs.clear()
         self.device_group.abort()
         self.cpu_group.abort()
 
