@@ -8,16 +8,18 @@ ignore_eos). `--trace shared-prefix` sends prompts that share long prefixes inst
 K random prefixes of `--prefix-len` tokens, each request one of them (at random) and SUFFIX_LEN
 tokens of its own, OUTPUT_LEN tokens out, so that the prefix cache (and, with replicas, where a
 request is routed) decides how much of each prompt is computed. Each request is one client on its
-own connection, streamed (server-sent events) or not.
+own connection, streamed (server-sent events) or not; `--client-processes N` spreads the clients
+over N processes (httpx costs a process tens of microseconds per streamed token: one process reads
+about 10,000 tokens/s at most, less than two replicas write).
 
 Per rate it reports the requests and output tokens per second, the time to first token (TTFT)
 and time per output token after it (TPOT) at p50 and p99 (streamed only), the end-to-end latency,
-the errors by kind, the most clients in flight at once, and the server's resident memory before
-and after; then, from the server's /v1/stats, the output tokens per second while it was saturated
-(between the moments it had produced 10% and 90% of the row's tokens: no ramp-up, no tail), the
-prefix cache's hit rate over the row (prompt tokens served from the cache; per replica with
---data-parallel-size), and the CPU time that this client, the server and each replica spent per
-second of the row (100%: one core busy).
+the errors by kind, the most clients in flight at once (summed over the client processes), and the
+server's resident memory before and after; then, from the server's /v1/stats, the output tokens
+per second while it was saturated (between the moments it had produced 10% and 90% of the row's
+tokens: no ramp-up, no tail), the prefix cache's hit rate over the row (prompt tokens served from
+the cache; per replica with --data-parallel-size), and the CPU time that the client processes, the
+server and each replica spent per second of the row (100%: one core busy).
 
 `--server "MODEL FLAGS"` starts `python -m nanovllm.serve` itself on a free port and stops it with
 SIGTERM at the end (its exit status is printed); MODEL may name an architecture of
