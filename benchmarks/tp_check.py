@@ -103,16 +103,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def children(pid: int) -> list[int]:
+    """The processes that process `pid` started (a torchrun process: its ranks)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(child) for child in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
 def stop(proc: subprocess.Popen):
-    """Kill a torchrun process still running, its rank first (torchrun starts it with setsid: a
-    kill of torchrun alone would leave it behind)."""
+    """Kill a torchrun process still running, and its ranks first (torchrun starts each with
+    setsid: a kill of torchrun alone would leave them behind)."""
     if proc.poll() is None:
-        try:
-            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-                ranks = [int(pid) for pid in f.read().split()]
-        except FileNotFoundError:
-            ranks = []
-        for pid in ranks:
+        for pid in children(proc.pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

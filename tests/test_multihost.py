@@ -13,6 +13,7 @@ import threading
 import httpx
 import pytest
 
+from benchmarks.tp_check import children, stop
 from nanovllm import LLM, SamplingParams
 from tests.helpers import build_random_checkpoint
 from tests.serve_helpers import build_random_smol
@@ -27,6 +28,7 @@ GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True)
 # the same script as on one rank: rank 0 alone gets past LLM(...)
 SCRIPT = """
 import json, os, sys
+from benchmarks.tp_check import children, stop
 from nanovllm import LLM, SamplingParams
 llm = LLM(sys.argv[1], tensor_parallel_size=2, **json.loads(sys.argv[2]))
 out = llm.generate(json.loads(sys.argv[3]), SamplingParams(**json.loads(sys.argv[4])),
@@ -70,27 +72,6 @@ def run_two_hosts(script: str, args: list[str], timeout: float = 120) -> list[tu
     finally:
         for proc in procs:  # a host still running after the timeout
             stop(proc)
-
-
-def children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(child) for child in f.read().split()]
-    except FileNotFoundError:
-        return []
-
-
-def stop(proc: subprocess.Popen):
-    """Kill a torchrun process still running, and its ranks first (torchrun starts each with
-    setsid: a kill of torchrun alone would leave them behind)."""
-    if proc.poll() is None:
-        for pid in children(proc.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.kill()
-    proc.wait()
 
 
 def test_two_hosts_give_the_tokens_of_one(model, tmp_path):
