@@ -190,8 +190,7 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     _cascade_kernel[(num_prefix_programs + num_seqs * num_kv_heads * num_splits,)](
         q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, key_starts, tiles, out,
         partial, lse, qk_scale, v_scale, num_prefix_programs, num_splits, prefix_splits, *common,
-        out.stride(0),
-        out.stride(1), *partial_strides,
+        out.stride(0), out.stride(1), *partial_strides,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), MEMBERS=members,
         ROWS_PAD=max(16, triton.next_power_of_2(members * group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], NUM_KV_HEADS=num_kv_heads,
