@@ -16,8 +16,10 @@ all, to agree. float32 needs a backend that takes it (sdpa; flash-attn does not)
 and backend (bf16, triton and CUDA graphs on GPUs): `LLM(model, tensor_parallel_size=2)` started
 plainly (rank 1 a worker process it starts), then the same script under two torchrun processes,
 `torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT`, two
-"hosts" of one rank each on this machine (c10d's rendezvous numbers them). Each host sees one GPU
-(CUDA_VISIBLE_DEVICES: its own entry of this process's list), which is its cuda:LOCAL_RANK, cuda:0.
+"hosts" of one rank each on this machine (c10d's rendezvous numbers them). Each host's cuda:0 (its
+cuda:LOCAL_RANK) is its own GPU: CUDA_VISIBLE_DEVICES lists it first, then the other host's, so that
+NCCL links the two GPUs as it links two local ranks (with only its own GPU visible, a rank cannot
+reach the other GPU's memory and NCCL goes through host memory, as it would between hosts).
 Both launches draw the same random weights (load_format="dummy": each rank draws its shard from
 the seed, so rank r's shard is the same in both) and run the same greedy prompts with the same
 number of KV blocks, so they run the same steps: the tokens must be equal, and the speeds close.
@@ -137,8 +139,8 @@ def run_on_two_hosts(argv: list[str], device: str, timeout: float) -> dict:
             for node in range(2):
                 env = {**os.environ, "PYTHONUNBUFFERED": "1",
                        "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-                if device == "cuda":  # each host one GPU: its cuda:LOCAL_RANK, cuda:0
-                    env["CUDA_VISIBLE_DEVICES"] = visible[node]
+                if device == "cuda":  # its own GPU first (its cuda:0), the other's after it
+                    env["CUDA_VISIBLE_DEVICES"] = f"{visible[node]},{visible[1 - node]}"
                 else:  # each rank half the cores, as the local workers get
                     env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // 2))
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",

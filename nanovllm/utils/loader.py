@@ -44,6 +44,7 @@ def load_tensor(model: nn.Module, params: dict, name: str, tensor) -> str:
         if name == "lm_head.weight":  # tied: the embedding already holds it
             return target
         raise ValueError(f"tensor {name!r} has no parameter in {type(model).__name__}")
+    tensor = tensor.to(param.device)  # checked there: a GPU checks a model in milliseconds
     if tensor.is_floating_point() and not torch.isfinite(tensor).all():
         raise ValueError(f"tensor {name!r} holds NaN or inf")
     loader = getattr(param, "weight_loader", lambda param, loaded: param.data.copy_(loaded))
