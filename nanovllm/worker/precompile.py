@@ -8,7 +8,9 @@ cascade twin's and its sampler's), each compiling in turn before it runs. Before
 pass runs the same forwards with every Triton launch made a compile request (`run(...,
 warmup=True)`: compile and cache, launch nothing), which AsyncCompileMode hands to a pool of
 threads, once per specialization; most of a compile (MLIR passes, ptxas) runs outside the GIL.
-When the pool is done, every launch of the warm-ups finds its kernel in Triton's cache. The dry
+Each thread then builds the kernel's launcher too (Triton 3.6 builds a C module per signature with
+gcc at a kernel's first launch, and keeps it in its disk cache). When the pool is done, every
+launch of the warm-ups finds its kernel in Triton's cache. The dry
 pass's kernels write nothing, so its outputs are garbage: no forward reads a kernel's output on
 the host, nor uses one as an index.
 """
@@ -19,9 +21,22 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import triton
+from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
 logger = logging.getLogger(__name__)
+
+
+class CompilePool(ThreadPoolExecutor):
+    """Threads that compile a kernel, then build its launcher."""
+
+    def submit(self, compile_kernel):
+        return super().submit(lambda: with_launcher(compile_kernel()))
+
+
+def with_launcher(kernel):
+    driver.active.launcher_cls(kernel.src, kernel.metadata)  # its first launch builds it too
+    return kernel
 
 
 @contextmanager
@@ -36,7 +51,7 @@ def compile_only(workers: int):
 
     JITFunction.run = compile_request
     try:
-        with (ThreadPoolExecutor(workers) as pool,
+        with (CompilePool(workers) as pool,
               triton.AsyncCompileMode(pool, ignore_errors=True)):
             yield
     finally:
