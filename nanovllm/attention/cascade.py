@@ -219,13 +219,12 @@ class Cascade:
         when the engine starts: none is captured while it serves."""
         self.pool = torch.cuda.graph_pool_handle()
         start = time.perf_counter()
-        twins = {size: self.capture(runner, graph, graphs.capture)
-                 for (kind, size), graph in graphs.graphs.items() if kind == "decode" and size >= 2}
-        if graphs.capture:  # else only their warm-ups ran (worker/precompile.py)
-            self.twins = twins
+        for (kind, size), graph in graphs.graphs.items():
+            if kind == "decode" and size >= 2:
+                self.twins[size] = self.capture(runner, graph)
         self.capture_seconds = time.perf_counter() - start
 
-    def capture(self, runner, graph, capture: bool = True) -> tuple:
+    def capture(self, runner, graph) -> tuple:
         """A decode graph's twin that runs cascade attention: the same inputs, plus a plan buffer
         of [B] key starts and room for B // 4 tiles (a tile has 2 rows or more: B // 2 at most).
         The launch is static: every tile it has room for is a program per KV head and split, and
@@ -240,7 +239,7 @@ class Cascade:
                                self.max_model_len)
         meta.cascade = CascadeStep(buffer[:size], buffer[size:].view(capacity, -1),
                                    self.num_splits(size), splits)
-        twin = FullGraph(graph.forward, (input_ids, positions, meta), self.pool, capture)
+        twin = FullGraph(graph.forward, (input_ids, positions, meta), self.pool)
         twin.sizes, twin.inputs = graph.sizes, graph.inputs
         twin.ends_in_logits = graph.ends_in_logits
         return twin, buffer, 0, capacity

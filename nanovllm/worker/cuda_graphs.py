@@ -97,11 +97,9 @@ class FullGraph:
     """A whole forward pass: `forward(*inputs)`, the model or a decode step's `decode_forward`."""
     eager_attention = False  # it reads its inputs where they were uploaded
 
-    def __init__(self, forward, inputs: tuple, pool, capture: bool = True):
+    def __init__(self, forward, inputs: tuple, pool):
         self.forward = forward
         forward(*inputs)  # warm up (Triton's compiles, libraries' workspaces) outside the capture
-        if not capture:  # the warm-up alone (worker/precompile.py's dry pass)
-            return
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool):
             self.hidden = forward(*inputs)
@@ -112,12 +110,10 @@ class FullGraph:
 
 
 class CUDAGraphs:
-    """Every graph of a model runner, by (kind, size); with capture=False, only their warm-ups
-    run (worker/precompile.py's dry pass, which compiles Triton's kernels ahead)."""
+    """Every graph of a model runner, by (kind, size)."""
 
-    def __init__(self, runner, capture: bool = True):
+    def __init__(self, runner):
         config = runner.config
-        self.capture = capture
         max_tokens, max_seqs = config.max_num_batched_tokens, config.max_num_seqs
         largest_batch = min(max_seqs, max_tokens)
         ladder = (1, 2, 4, 8, *range(16, largest_batch, 16))
@@ -154,9 +150,8 @@ class CUDAGraphs:
             whole = support == "always" or (support == "decode" and kind == "decode")
             ends_in_logits = whole and kind == "decode" and self.logits is not None
             forward = self.decode_forward(runner) if ends_in_logits else runner.forward
-            graph = (FullGraph(forward, args, pool, capture) if whole else
-                     PiecewiseGraph(runner.forward, args, runner.kv_cache.attns, q, out, pool,
-                                    capture))
+            graph = (FullGraph(forward, args, pool) if whole else
+                     PiecewiseGraph(runner.forward, args, runner.kv_cache.attns, q, out, pool))
             graph.sizes, graph.inputs, graph.ends_in_logits = sizes, inputs, ends_in_logits
             self.graphs[kind, size] = graph
             if ends_in_logits:  # its rows drawn by a sampling graph of the same size
@@ -165,7 +160,7 @@ class CUDAGraphs:
             runner.backend.cascade.capture_twins(runner, self)
         self.capture_seconds = time.perf_counter() - start  # what they cost: bench.py prints it
         self.capture_bytes = torch.cuda.memory_reserved(runner.device) - memory
-        if hasattr(runner, "tp") and capture:  # destroyed before NCCL shuts down (TPGroup.close)
+        if hasattr(runner, "tp"):  # destroyed before NCCL shuts down (TPGroup.close)
             runner.tp.graphs = [self.graphs, self.samplers]
             if runner.backend.cascade is not None:
                 runner.tp.graphs.append(runner.backend.cascade.twins)
@@ -236,8 +231,6 @@ class CUDAGraphs:
         """gumbel_max_sample of `size` rows of the shared logits, into self.tokens."""
         args = self.logits[:size], self.temperatures[:size]
         gumbel_max_sample(*args, out=self.tokens[:size])  # warm up: compile outside the capture
-        if not self.capture:
-            return None
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, self.pool):
             gumbel_max_sample(*args, out=self.tokens[:size])

@@ -22,27 +22,6 @@ def num_blocks_that_fit(runner) -> int:
     config, device, kv_cache = runner.config, runner.device, runner.kv_cache
     kv_cache.allocate(1)
     torch.cuda.reset_peak_memory_stats(device)
-    peak_step(runner)
-    kv_cache.allocate(0)
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    stats = torch.cuda.memory_stats(device)
-    transient = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
-    available = total * config.gpu_memory_utilization - (total - free) - transient
-    num_blocks = int(available // kv_cache.block_bytes)
-    if num_blocks < 1:
-        raise ValueError("no memory left for the KV cache (a block takes "
-                         f"{kv_cache.block_bytes / 2**20:.1f} MiB): raise gpu_memory_utilization "
-                         "or lower max_num_batched_tokens / max_num_seqs")
-    logger.info("KV cache: %d blocks of %d tokens, %.2f GiB", num_blocks, config.kvcache_block_size,
-                num_blocks * kv_cache.block_bytes / 2**30)
-    return num_blocks
-
-
-@torch.inference_mode()
-def peak_step(runner):
-    """The largest prefill step, then the largest sampling batches, on a one-block cache."""
-    config, device = runner.config, runner.device
     length = min(config.max_model_len, config.max_num_batched_tokens)
     num_seqs = max(1, min(config.max_num_batched_tokens // length, config.max_num_seqs))
     cu = list(range(0, length * num_seqs + 1, length))
@@ -61,3 +40,17 @@ def peak_step(runner):
             rows = [(Sequence([0], params, 1), 0)] * config.max_num_seqs
             t = SamplingTensors.of(rows, config.hf_config["vocab_size"], device)
             sample(logits, t, runner.one_pass_sample)
+    kv_cache.allocate(0)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    stats = torch.cuda.memory_stats(device)
+    transient = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+    available = total * config.gpu_memory_utilization - (total - free) - transient
+    num_blocks = int(available // kv_cache.block_bytes)
+    if num_blocks < 1:
+        raise ValueError("no memory left for the KV cache (a block takes "
+                         f"{kv_cache.block_bytes / 2**20:.1f} MiB): raise gpu_memory_utilization "
+                         "or lower max_num_batched_tokens / max_num_seqs")
+    logger.info("KV cache: %d blocks of %d tokens, %.2f GiB", num_blocks, config.kvcache_block_size,
+                num_blocks * kv_cache.block_bytes / 2**30)
+    return num_blocks

@@ -52,9 +52,6 @@ class ModelRunner:
         self.eos_token_ids: set[int] = set()  # the engine's, for min_tokens
         self.swap_space = self.graphs = None
         self.kv_cache = KVCache(self.model, config, self.device)
-        if self.device.type == "cuda":  # the warm-ups' Triton kernels, compiled all at once first
-            from nanovllm.worker.precompile import precompile
-            precompile(self)
         self.kv_cache.allocate(self.num_kv_blocks())
         if config.preemption_mode == "swap":
             from nanovllm.core.swap import SwapSpace

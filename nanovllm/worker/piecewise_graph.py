@@ -14,10 +14,9 @@ class PiecewiseGraph:
     eager_attention = True  # CUDAGraphs.run hands it the step's metadata
 
     def __init__(self, forward, inputs: tuple, attns: list, q: torch.Tensor, out: torch.Tensor,
-                 pool, capture: bool = True):
+                 pool):
         """forward(*inputs): the model runner's forward (the model, or its fused small-batch path);
-        attns: the model's attention layers, whose backend it stands in for while capturing;
-        capture=False: the warm-up alone (worker/precompile.py)."""
+        attns: the model's attention layers, whose backend it stands in for while capturing."""
         self.q, self.out, self.pool = q, out, pool
         # layers: (attention layer, its backend) after each graph but the last
         self.graphs, self.layers = [], []
@@ -27,8 +26,6 @@ class PiecewiseGraph:
         try:
             self.capturing = False
             forward(*inputs)  # warm up
-            if not capture:
-                return
             self.capturing = True
             torch.cuda.synchronize()
             with torch.cuda.stream(torch.cuda.Stream()):
