@@ -12,7 +12,6 @@ Started by torchrun, the engine is rank 0 and torchrun's other ranks are its wor
 `start_workers` runs rank 0's steps and then exits the process (nanovllm/worker/torchrun.py).
 """
 import gc
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 
 from nanovllm.config import Config
@@ -30,17 +29,14 @@ from nanovllm.worker.run_ahead import SampledTokens
 class LLMEngine(AbstractContextManager):
     def __init__(self, model: str, **options):
         self.config = config = Config.from_options(model, **options)
+        tokenizer = config.tokenizer or model
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(tokenizer)
         self.stop_workers = None  # tensor parallelism's worker processes, while they run
-        with ThreadPoolExecutor(1) as pool:  # the tokenizer loads while the model is built
-            tokenizer = None
-            if not config.skip_tokenizer_init:
-                tokenizer = pool.submit(load_tokenizer, config.tokenizer or model)
-            if config.tensor_parallel_size > 1:
-                from nanovllm.worker.distributed import start_workers
-                self.model_runner = start_workers(self)
-            else:
-                self.model_runner = ModelRunner(config)
-            self.tokenizer = tokenizer and tokenizer.result()
+        if config.tensor_parallel_size > 1:
+            from nanovllm.worker.distributed import start_workers
+            self.model_runner = start_workers(self)
+        else:
+            self.model_runner = ModelRunner(config)
         num_blocks = self.model_runner.kv_cache.shape[2]
         block_size, caching = config.kvcache_block_size, config.enable_prefix_caching
         self.block_manager = BlockManager(num_blocks, block_size, caching)
