@@ -64,6 +64,7 @@ def test_requests_spread_over_replicas_and_match_one_engine(server, random_smol,
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = [out.outputs[0].text for out in llm.generate(prompts, params, use_tqdm=False)]
     assert [r.json()["choices"][0]["text"] for r in responses] == expected
+    assert [r.json()["usage"]["prompt_tokens"] for r in responses] == [len(p) for p in prompts]
 
 
 def test_shared_prefix_goes_to_one_replica(server):
@@ -244,6 +245,41 @@ def test_least_loaded_server_spreads_a_shared_prefix(random_smol, smollm2_dir):
     finally:
         srv.kill()
     assert sum(counts) == 6 and min(counts) >= 1, counts
+
+
+def test_a_replica_sends_its_outputs_without_their_prompts(random_smol):
+    """A step's outputs cross the pipe without the prompt (the server holds it and puts it back):
+    what a replica sends per token does not grow with the prompt's length."""
+    import multiprocessing as mp
+    import pickle
+
+    from nanovllm import SamplingParams
+    from nanovllm.serve.replicas import serve_commands
+    llm = make_llm(random_smol, **ENGINE)
+    commands_out, commands_in = mp.Pipe(duplex=False)
+    results_out, results_in = mp.Pipe(duplex=False)
+    thread = threading.Thread(target=serve_commands, args=(llm, commands_out, results_in))
+    thread.start()
+    sizes, finished = {}, set()
+    try:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        prompts = [("short", list(range(1000, 1020))), ("long", list(range(1000, 1900)))]
+        commands_in.send(("add", 0, [rid for rid, _ in prompts],
+                          [(ids, None) for _, ids in prompts], params))
+        while len(finished) < 2:
+            data = results_out.recv_bytes()
+            kind, outputs, _, _ = pickle.loads(data)
+            if kind == "outputs":
+                for out in outputs:
+                    sizes.setdefault(out.request_id, []).append(len(pickle.dumps(out)))
+                    if out.finished:
+                        finished.add(out.request_id)
+    finally:
+        commands_in.send(("stop",))
+        thread.join(60)
+        llm.shutdown()
+    assert len(sizes["long"]) >= 6
+    assert max(sizes["long"]) < min(sizes["short"]) + 100, sizes  # 900 ids would be 2,700 bytes
 
 
 def test_each_replica_sees_its_own_gpus():

@@ -16,7 +16,10 @@ Plumbing. The server process checks and tokenizes prompts itself (the input proc
 config and the tokenizer) and sends a replica plain tuples down a pipe, through a sender thread so
 the event loop never blocks on a full pipe; a reader thread per replica hands what the replica sends
 back (step outputs, answers to calls) to the event loop. A replica's loop is engine_thread.py's:
-run the commands that came, step, send the outputs; with nothing to do it blocks on its pipe.
+run the commands that came, step, send the outputs; with nothing to do it blocks on its pipe. The
+outputs go without their prompts, which the server holds and puts back: a prompt's token ids sent
+with every token of every request (6 KB a token with 2,048-token prompts) would make the server's
+reading of the pipe, not the engine, what bounds a replica, its loop blocked on its sends.
 `Replicas` offers the server what `EngineThread` does (add, abort, abort_all, stats, health,
 num_waiting, num_adding) and what the routes read of an engine (config, tokenizer), so app.py does
 not know how many engines run.
@@ -34,6 +37,7 @@ import queue
 import signal
 import threading
 from collections import OrderedDict
+from dataclasses import replace
 
 from nanovllm.serve.engine_thread import EngineFailure, settle
 
@@ -109,6 +113,8 @@ def serve_commands(llm, commands, results):
     """Run the commands that came, then a step; block on the pipe while there is nothing to step.
     Every message back ends with the number of requests waiting (the server's waiting limit)."""
     def send(kind, a=None, b=None):
+        if kind == "outputs":
+            a = [replace(out, prompt=None, prompt_token_ids=None) for out in a]  # the server's
         results.send((kind, a, b, len(llm.scheduler.waiting)))
 
     while True:
@@ -188,6 +194,7 @@ class Replica:
         self.index, self.process, self.commands, self.results = index, process, commands, results
         self.pid = process.pid
         self.queues: dict[str, asyncio.Queue] = {}  # request id -> its outputs, until it ends
+        self.prompts: dict[str, tuple] = {}  # request id -> (prompt, its token ids), as long
         self.calls: dict[int, asyncio.Future] = {}  # call id -> its answer
         self.num_waiting = 0   # requests queued there and not yet scheduled (its last report)
         self.num_routed = 0    # requests sent to it since the server started
@@ -196,6 +203,11 @@ class Replica:
 
     def send(self, message):
         self.outbox.put(message)
+
+    def forget(self, request_id: str) -> asyncio.Queue | None:
+        """A request's queue (None if it is not held here), no longer held."""
+        self.prompts.pop(request_id, None)
+        return self.queues.pop(request_id, None)
 
     def send_forever(self):
         """The sender thread: messages in order, never blocking the event loop."""
@@ -290,15 +302,16 @@ class Replicas:
             for out in a:
                 q = replica.queues.get(out.request_id)
                 if q is not None:
+                    out.prompt, out.prompt_token_ids = replica.prompts[out.request_id]
                     q.put_nowait(out)
                 if out.finished:
-                    replica.queues.pop(out.request_id, None)
+                    replica.forget(out.request_id)
         elif kind == "result":
             settle(replica.calls.pop(a), *b)
         else:
             assert kind == "failed", kind
             for request_id in a:
-                q = replica.queues.pop(request_id, None)
+                q = replica.forget(request_id)
                 if q is not None:
                     q.put_nowait(EngineFailure(b))
 
@@ -312,7 +325,7 @@ class Replicas:
             q.put_nowait(failure)
         for future in replica.calls.values():
             settle(future, None, failure)
-        replica.queues, replica.calls, replica.num_waiting = {}, {}, 0
+        replica.queues, replica.prompts, replica.calls, replica.num_waiting = {}, {}, {}, 0
 
     def call(self, replica: Replica, name: str, *args) -> asyncio.Future:
         """Send a command that answers; a future of its result (EngineFailure if it dies)."""
@@ -343,8 +356,9 @@ class Replicas:
             seqs = await asyncio.to_thread(lambda: [make(prompt, params) for prompt in prompts])
             replica = self.choose(seqs[0].prompt_token_ids)
             replica.num_routed += len(request_ids)
-            for request_id in request_ids:  # its outputs may come before the answer
+            for request_id, seq in zip(request_ids, seqs):  # outputs may come before the answer
                 replica.queues[request_id] = queue
+                replica.prompts[request_id] = (seq.prompt, seq.prompt_token_ids)
             sent = [(seq.prompt_token_ids, seq.prompt) for seq in seqs]
             await self.call(replica, "add", request_ids, sent, params)
         except asyncio.CancelledError:  # the caller went away: what may have been queued goes
@@ -352,7 +366,7 @@ class Replicas:
             raise
         except BaseException:
             for request_id in request_ids if replica is not None else ():
-                replica.queues.pop(request_id, None)
+                replica.forget(request_id)
             raise
         finally:
             self.num_adding -= len(prompts)
@@ -365,7 +379,7 @@ class Replicas:
                 r.send(("abort", mine, notify))
                 if not notify:
                     for request_id in mine:
-                        r.queues.pop(request_id)
+                        r.forget(request_id)
 
     def abort_all(self) -> asyncio.Future:
         """Abort every request of every replica, each queue getting its last output."""
