@@ -114,7 +114,7 @@ def serve_commands(llm, commands, results):
     Every message back ends with the number of requests waiting (the server's waiting limit)."""
     def send(kind, a=None, b=None):
         if kind == "outputs":
-            a = [replace(out, prompt=None, prompt_token_ids=None) for out in a]  # the server's
+            a = [replace(out, prompt=None, prompt_token_ids=None) for out in a]  # the server holds
         results.send((kind, a, b, len(llm.scheduler.waiting)))
 
     while True:
@@ -194,7 +194,7 @@ class Replica:
         self.index, self.process, self.commands, self.results = index, process, commands, results
         self.pid = process.pid
         self.queues: dict[str, asyncio.Queue] = {}  # request id -> its outputs, until it ends
-        self.prompts: dict[str, tuple] = {}  # request id -> (prompt, its token ids), as long
+        self.prompts: dict[str, tuple] = {}  # request id -> (prompt, its token ids), as queues
         self.calls: dict[int, asyncio.Future] = {}  # call id -> its answer
         self.num_waiting = 0   # requests queued there and not yet scheduled (its last report)
         self.num_routed = 0    # requests sent to it since the server started
