@@ -7,8 +7,9 @@ The steps are decode steps of `--batch` random prompts of `--context` tokens (or
 `--sharing shared-prefix` or `n8` workload, with `--cascade on` or `off`), with random weights of
 `--arch` (benchmarks/archs.json), or with `--serving` steps in the middle of a serving run
 (benchmarks/serving.py: `--trace`, `--rate`, `--num-requests`, `--num-kvcache-blocks`), after which
-it also prints the run's figures and the GPU-busy fraction of the whole run (CUDA events around
-every step's GPU work). Other modes:
+it also prints the run's figures and the GPU-busy fraction of the whole run and of the window
+(CUDA events around every step's GPU work, in a run that the profiler does not slow down: it
+records a second run up to the window's end). Other modes:
 
 - `--workload`: times every step of bench.py's default workload (or of `--sharing`) and sums them by
   step kind and decode batch size.
@@ -86,8 +87,8 @@ def waits(llm) -> dict:
 
 
 def gpu_busy_fraction(llm):
-    """Record CUDA events around each step's GPU work; returns a function giving busy / wall so
-    far."""
+    """Record CUDA events around each step's GPU work; returns a function giving busy / wall of
+    the steps recorded so far (or of steps[start:stop])."""
     events, run = [], llm.model_runner.run
 
     def timed_run(batch):
@@ -100,10 +101,11 @@ def gpu_busy_fraction(llm):
         return out
     llm.model_runner.run = timed_run
 
-    def fraction() -> float:
+    def fraction(start: int = 0, stop: int | None = None) -> float:
         torch.cuda.synchronize()
-        busy = sum(a.elapsed_time(b) for a, b in events)
-        return busy / events[0][0].elapsed_time(events[-1][1]) if events else float("nan")
+        steps = events[start:stop]
+        busy = sum(a.elapsed_time(b) for a, b in steps)
+        return busy / steps[0][0].elapsed_time(steps[-1][1]) if steps else float("nan")
     return fraction
 
 
@@ -118,18 +120,22 @@ def report(prof, steps: int, wall: float, host: float, phases: dict, title: str)
               and e.name != "step"):
             kernels[e.name[:90]] += e.time_range.elapsed_us()
             intervals.append((e.time_range.start, e.time_range.end))
+    if not spans:  # only the GPU was recorded: the window runs from its first kernel to its last
+        spans = [(min(a for a, _ in intervals), max(b for _, b in intervals))]
     span = spans[-1][1] - spans[0][0]
     busy = busy_time([(a, b) for a, b in intervals if spans[0][0] <= a <= spans[-1][1]])
     print(f"\n{title}")
     print(f"per step: wall {wall:.0f} us (unprofiled), host {host:.0f} us; profiled: "
           f"{span / steps:.0f} us, GPU busy {busy / steps:.0f} us ({busy / span:.0%}), "
           f"idle {(span - busy) / steps:.0f} us")
-    print("host time per step (us):",
-          ", ".join(f"{k} {v * 1e6 / steps:.0f}" for k, v in phases.items() if v))
+    if phases:
+        print("host time per step (us):",
+              ", ".join(f"{k} {v * 1e6 / steps:.0f}" for k, v in phases.items() if v))
     print("\n| GPU time per step (us) | kernel |\n|---|---|")
     for name, t in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]:
         print(f"| {t / steps:8.1f} | {name} |")
-    print("\n| host self time per step (us, profiled) | op or range |\n|---|---|")
+    if host_ops:
+        print("\n| host self time per step (us, profiled) | op or range |\n|---|---|")
     for name, t in sorted(host_ops.items(), key=lambda kv: -kv[1])[:15]:
         print(f"| {t / steps:8.1f} | {name} |")
 
@@ -189,7 +195,16 @@ def decode_steps(args):
            f"{torch.cuda.get_device_name()}")
 
 
+class WindowDone(Exception):
+    """Raised by a step callback once the profiled window is over."""
+
+
 def serving_steps(args):
+    """The serving run twice on one engine: first whole and unobserved but for CUDA events around
+    each step (the run's figures, its GPU-busy fraction, the window's by the same events), then
+    again up to the end of the window, which the profiler records (the kernel table, and the
+    window's busy fraction from the kernels' own times; with --host-ops the host's ops too, whose
+    recording slows the host). The profiler is kept out of the run whose figures are reported."""
     import serving
     args.rate = args.rate[0]  # serving.py's --rate takes a sweep: one rate here
     options = {"prefill_first": True} if args.prefill_first else {}
@@ -201,17 +216,25 @@ def serving_steps(args):
     warm = requests[:16]
     serving.drive(llm, warm, [0.0] * len(warm), vocab, args.seed + 7)
     wait, fraction = waits(llm), gpu_busy_fraction(llm)
-    first = args.window_start
-    state = {}
+    first, state = args.window_start, {}
 
-    def on_step(i):  # profile steps first+1 .. first+args.steps
-        if i == first - args.steps:
-            state["t"], state["w"] = time.perf_counter(), wait["wait"]
-        if i == first:
-            state["wall"] = (time.perf_counter() - state["t"]) / args.steps * 1e6
-            state["host"] = state["wall"] - (wait["wait"] - state["w"]) / args.steps * 1e6
-            state["phases"] = instrument(llm)
-            state["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    def clock(i):  # wall and host time per step over the window, unprofiled
+        if i in (first, first + args.steps):
+            state[i] = time.perf_counter(), wait["wait"]
+    result = serving.drive(llm, requests, arrivals, vocab, args.seed, clock)
+    if first + args.steps not in state:
+        sys.exit(f"the run took {result['steps']} steps: fewer than --window-start + --steps")
+    window = fraction(first, first + args.steps)
+    whole = fraction()
+    (t0, w0), (t1, w1) = state[first], state[first + args.steps]
+    wall = (t1 - t0) / args.steps * 1e6
+    host = wall - (w1 - w0) / args.steps * 1e6
+
+    def profiled(i):  # profile steps first+1 .. first+args.steps, then stop the second run
+        if i == first:  # the host's ops and phases only if asked: recording them slows the host
+            state["phases"] = instrument(llm) if args.host_ops else {}
+            host = [ProfilerActivity.CPU] if args.host_ops else []
+            state["prof"] = profile(activities=host + [ProfilerActivity.CUDA])
             state["prof"].__enter__()
             state["range"] = record_function("step")
             state["range"].__enter__()
@@ -219,16 +242,22 @@ def serving_steps(args):
             state["range"].__exit__(None, None, None)
             if i == first + args.steps:
                 state["prof"].__exit__(None, None, None)
-            else:
-                state["range"] = record_function("step")
-                state["range"].__enter__()
-    result = serving.drive(llm, requests, arrivals, vocab, args.seed, on_step)
+                raise WindowDone
+            state["range"] = record_function("step")
+            state["range"].__enter__()
+    try:  # other prompts of the same lengths: the first run's are in the prefix cache
+        serving.drive(llm, requests, arrivals, vocab, args.seed + 1, profiled)
+    except WindowDone:
+        for request_id in list(llm.requests):
+            llm.abort_request(request_id)
+        while not llm.is_finished():
+            llm.step()
     title = (f"{args.attn_backend}, serving {args.trace} rate {args.rate}, {args.num_requests} "
              f"requests, prefill_first={args.prefill_first}, steps {first + 1}.."
              f"{first + args.steps}, {torch.cuda.get_device_name()}")
-    if "prof" in state:
-        report(state["prof"], args.steps, state["wall"], state["host"], state["phases"], title)
-    print(f"\nthe whole run: {serving.summary(result)}; GPU busy {fraction():.1%} of the time "
+    report(state["prof"], args.steps, wall, host, state["phases"], title)
+    print(f"GPU busy over the same steps, unprofiled (CUDA events): {window:.1%}")
+    print(f"\nthe whole run: {serving.summary(result)}; GPU busy {whole:.1%} of the time "
           "from the first step's GPU work to the last's (CUDA events)")
     if args.json:
         import json
@@ -419,6 +448,8 @@ def main():
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--serving", action="store_true", help="profile steps of a serving run")
+    parser.add_argument("--host-ops", action="store_true",
+                        help="--serving: profile the host's ops and phases too (slowing its steps)")
     parser.add_argument("--window-start", type=int, default=600,
                         help="--serving: profile after this step")
     parser.add_argument("--workload", action="store_true",
