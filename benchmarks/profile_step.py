@@ -233,8 +233,8 @@ def serving_steps(args):
     def profiled(i):  # profile steps first+1 .. first+args.steps, then stop the second run
         if i == first:  # the host's ops and phases only if asked: recording them slows the host
             state["phases"] = instrument(llm) if args.host_ops else {}
-            host = [ProfilerActivity.CPU] if args.host_ops else []
-            state["prof"] = profile(activities=host + [ProfilerActivity.CUDA])
+            cpu = [ProfilerActivity.CPU] if args.host_ops else []
+            state["prof"] = profile(activities=cpu + [ProfilerActivity.CUDA])
             state["prof"].__enter__()
             state["range"] = record_function("step")
             state["range"].__enter__()
