@@ -8,6 +8,7 @@ transformers' own bf16 model has against a float32 transformers reference, in th
 import gc
 import importlib.util
 import random
+import types
 
 import pytest
 import torch
@@ -284,3 +285,32 @@ def test_nothing_is_built_after_start(qwen3_dir):
         assert built == [] and compiles == [], (kv_cache_dtype, built, compiles)
         assert dict(counters["stats"]) == graphs, kv_cache_dtype  # no torch.compile graph either
         llm.shutdown()
+
+
+def test_compile_ahead_compiles_and_runs_nothing():
+    """Within compile_ahead a launch compiles its kernel and runs nothing; afterwards the same
+    launch runs at once, compiling nothing more."""
+    import triton
+    import triton.language as tl
+    from triton import knobs
+
+    from nanovllm.kernels.compile_ahead import compile_ahead
+
+    @triton.jit
+    def fill(out_ptr, value, BLOCK: tl.constexpr):
+        tl.store(out_ptr + tl.arange(0, BLOCK), tl.full([BLOCK], value, tl.float32))
+
+    out, compiles = torch.zeros(64, device="cuda"), []
+    model = types.SimpleNamespace(model=types.SimpleNamespace(layers=[1, 2, 3]))
+    knobs.runtime.jit_post_compile_hook = lambda *args, **kwargs: compiles.append(kwargs["repr"])
+    try:
+        with compile_ahead(model):
+            assert model.model.layers == [1]  # the model keeps its first layer meanwhile
+            for block in (16, 32, 64, 64):
+                fill[(1,)](out, 1.0, BLOCK=block)
+        assert len(compiles) == 3 and out.sum().item() == 0  # three compiled, none ran
+        assert model.model.layers == [1, 2, 3]
+        fill[(1,)](out, 1.0, BLOCK=64)
+        assert len(compiles) == 3 and out.sum().item() == 64
+    finally:
+        knobs.runtime.jit_post_compile_hook = None

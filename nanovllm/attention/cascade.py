@@ -25,6 +25,7 @@ import triton
 
 from nanovllm.config import Config
 from nanovllm.kernels.cascade import cascade_scratch, members_per_tile
+from nanovllm.kernels.compile_ahead import compile_ahead
 from nanovllm.kernels.decode import decode_config, num_decode_splits
 from nanovllm.utils.pinned import host_tensor
 from nanovllm.worker.cuda_graphs import FullGraph, unpack
@@ -219,16 +220,24 @@ class Cascade:
         when the engine starts: none is captured while it serves."""
         self.pool = torch.cuda.graph_pool_handle()
         start = time.perf_counter()
-        for (kind, size), graph in graphs.graphs.items():
-            if kind == "decode" and size >= 2:
-                self.twins[size] = self.capture(runner, graph)
+        plans = [(graph, *self.twin_inputs(runner, graph))
+                 for (kind, size), graph in graphs.graphs.items() if kind == "decode" and size >= 2]
+        with compile_ahead(runner.model):  # their Triton kernels compiled at once
+            for graph, args, _, _ in plans:
+                graph.forward(*args)
+        for graph, args, buffer, capacity in plans:
+            twin = FullGraph(graph.forward, args, self.pool)
+            twin.sizes, twin.inputs = graph.sizes, graph.inputs
+            twin.ends_in_logits = graph.ends_in_logits
+            self.twins[graph.sizes[1]] = twin, buffer, 0, capacity
         self.capture_seconds = time.perf_counter() - start
 
-    def capture(self, runner, graph) -> tuple:
-        """A decode graph's twin that runs cascade attention: the same inputs, plus a plan buffer
-        of [B] key starts and room for B // 4 tiles (a tile has 2 rows or more: B // 2 at most).
-        The launch is static: every tile it has room for is a program per KV head and split, and
-        each unused one costs an SM slot for a moment, hence not B // 2."""
+    def twin_inputs(self, runner, graph) -> tuple:
+        """The inputs of a decode graph's twin, which runs cascade attention: the graph's, plus a
+        plan buffer of [B] key starts and room for B // 4 tiles (a tile has 2 rows or more: B // 2
+        at most); (forward's arguments, the buffer, its room in tiles). The launch is static: every
+        tile it has room for is a program per KV head and split, and each unused one costs an SM
+        slot for a moment, hence not B // 2."""
         size = graph.sizes[1]
         capacity = max(1, size // 4)
         buffer = torch.zeros(size + capacity * (2 + self.members), dtype=torch.int32,
@@ -239,7 +248,4 @@ class Cascade:
                                self.max_model_len)
         meta.cascade = CascadeStep(buffer[:size], buffer[size:].view(capacity, -1),
                                    self.num_splits(size), splits)
-        twin = FullGraph(graph.forward, (input_ids, positions, meta), self.pool)
-        twin.sizes, twin.inputs = graph.sizes, graph.inputs
-        twin.ends_in_logits = graph.ends_in_logits
-        return twin, buffer, 0, capacity
+        return (input_ids, positions, meta), buffer, capacity

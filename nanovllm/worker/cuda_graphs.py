@@ -6,7 +6,8 @@ step of decodes only to the next batch size of one ladder, any other step to the
 another, up to max_num_batched_tokens. Padding tokens write no K/V (slot -1); padding sequences have
 no tokens and no keys. Each graph reads its inputs from a flat tensor of its own, at fixed
 addresses: a step laid out by the graph's sizes is uploaded into it in one copy (`upload`). The
-graphs are captured largest first and share one memory pool.
+graphs are captured largest first and share one memory pool; their Triton kernels compile
+first, all at once (kernels/compile_ahead.py).
 
 How much of a step a graph holds is the backend's to say (AttentionBackend.cudagraph_support):
 - a whole graph where the attention kernels take their grids from the graph's sizes and read from
@@ -31,6 +32,7 @@ import torch
 
 from nanovllm.attention import AttentionMetadata
 from nanovllm.core.sequence import num_blocks_for
+from nanovllm.kernels.compile_ahead import compile_ahead
 from nanovllm.kernels.prefill import QUERY_TILE, query_tiles
 from nanovllm.kernels.sample import gumbel_max_sample
 from nanovllm.utils.pinned import host_tensor
@@ -141,15 +143,22 @@ class CUDAGraphs:
         shapes = ([("mixed", t) for t in self.token_sizes]
                   + [("decode", s) for s in self.decode_sizes])
         max_blocks = num_blocks_for(config.max_model_len, config.kvcache_block_size)  # per table
+        plans = []  # (kind, size, sizes, inputs, whole?, ends in logits?, forward), largest first
         for kind, size in sorted(shapes, key=lambda shape: -shape[1]):
             sizes = self.sizes(kind, size, max_seqs, max_blocks)
             # the step's fields at fixed addresses, then room for its sampled rows (upload)
             inputs = torch.zeros(sum(field_sizes(*sizes)) + max_seqs, dtype=torch.int32,
                                  device=runner.device)
-            args = unpack(inputs, sizes, sizes, num_decodes=sizes[1])
             whole = support == "always" or (support == "decode" and kind == "decode")
             ends_in_logits = whole and kind == "decode" and self.logits is not None
             forward = self.decode_forward(runner) if ends_in_logits else runner.forward
+            plans.append((kind, size, sizes, inputs, whole, ends_in_logits, forward))
+        with compile_ahead(runner.model):  # the whole graphs' Triton kernels, all at once
+            for _, _, sizes, inputs, whole, _, forward in plans:
+                if whole:
+                    forward(*unpack(inputs, sizes, sizes, num_decodes=sizes[1]))
+        for kind, size, sizes, inputs, whole, ends_in_logits, forward in plans:
+            args = unpack(inputs, sizes, sizes, num_decodes=sizes[1])
             graph = (FullGraph(forward, args, pool) if whole else
                      PiecewiseGraph(runner.forward, args, runner.kv_cache.attns, q, out, pool))
             graph.sizes, graph.inputs, graph.ends_in_logits = sizes, inputs, ends_in_logits
