@@ -68,6 +68,22 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def idle_by_gap(intervals: list[tuple[float, float]], steps: int, span: float):
+    """Print the GPU's idle time between consecutive activities, by the gap's length: gaps of a
+    microsecond or two separate the kernels of one graph, longer ones wait for the host."""
+    buckets, end = {}, None
+    for a, b in sorted(intervals):
+        if end is not None and a > end:
+            bound = next(k for k in (2, 10, 100, 1000, float("inf")) if a - end <= k)
+            n, total = buckets.get(bound, (0, 0.0))
+            buckets[bound] = n + 1, total + a - end
+        end = b if end is None else max(end, b)
+    print(f"\n{len(intervals) / steps:.0f} GPU activities a step; idle between them, per step:")
+    for bound, (n, total) in sorted(buckets.items()):
+        print(f"  gaps of at most {bound:g} us: {n / steps:6.1f}, {total / steps:6.1f} us "
+              f"({total / span:.1%} of the span)")
+
+
 def waits(llm) -> dict:
     """Make the host's waits for a step's tokens measurable: returns {"wait": seconds so far}."""
     import nanovllm.worker.model_runner as runner_module
@@ -128,6 +144,7 @@ def report(prof, steps: int, wall: float, host: float, phases: dict, title: str)
     print(f"per step: wall {wall:.0f} us (unprofiled), host {host:.0f} us; profiled: "
           f"{span / steps:.0f} us, GPU busy {busy / steps:.0f} us ({busy / span:.0%}), "
           f"idle {(span - busy) / steps:.0f} us")
+    idle_by_gap([(a, b) for a, b in intervals if spans[0][0] <= a <= spans[-1][1]], steps, span)
     if phases:
         print("host time per step (us):",
               ", ".join(f"{k} {v * 1e6 / steps:.0f}" for k, v in phases.items() if v))
