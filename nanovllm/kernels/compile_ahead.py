@@ -15,8 +15,12 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from unittest import mock
 
-from triton import AsyncCompileMode
 from triton.runtime.jit import JITFunction
+
+try:
+    from triton import AsyncCompileMode  # Triton 3.4 and later
+except ImportError:  # the kernels then compile as they first run, within the pass too
+    AsyncCompileMode = None
 
 
 def compile_only(kernel: JITFunction, grid):
@@ -28,13 +32,16 @@ def compile_only(kernel: JITFunction, grid):
 def compile_ahead(model, threads: int = min(8, os.cpu_count() or 1)):
     """Within: `kernel[grid](*args)` compiles the kernel for these arguments on a thread and runs
     nothing, and the model keeps its first decoder layer only: the others launch the same kernels,
-    and such a launch costs the host 10x a real one (it hashes the kernel's source). On exit,
-    waits for every compile."""
+    and such a launch costs the host 10x a real one (Triton builds and hashes the kernel's source
+    for each). On exit, waits for every compile."""
     layers = model.model.layers
     model.model.layers = layers[:1]
     try:
-        with (mock.patch.object(JITFunction, "__getitem__", compile_only),
-              ThreadPoolExecutor(threads) as pool, AsyncCompileMode(pool)):
+        if AsyncCompileMode is None:
             yield
+        else:
+            with (mock.patch.object(JITFunction, "__getitem__", compile_only),
+                  ThreadPoolExecutor(threads) as pool, AsyncCompileMode(pool)):
+                yield
     finally:
         model.model.layers = layers
