@@ -7,8 +7,8 @@ done and cached, in memory and on disk, so the same launches run at once afterwa
 runs the warm-up forwards of its memory profile and of every CUDA graph so first
 (worker/memory_profile.py, worker/cuda_graphs.py, attention/cascade.py): their outputs are garbage,
 their shapes the real ones. On an H200 host (16 cores) the 29 compiles of a cold Qwen3-0.6B took
-11-14 s one after another and 4 s on 8 threads, and a cold `LLM(path)` 16.3 s instead of 22.5
-(docs/benchmarks.md).
+11-14 s one after another and 4 s on 8 threads, and a cold `LLM(path)` 16.3-20.0 s instead of
+22.5-23.2 (docs/benchmarks.md).
 """
 import contextlib
 import os
