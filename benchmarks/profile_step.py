@@ -139,12 +139,13 @@ def report(prof, steps: int, wall: float, host: float, phases: dict, title: str)
     if not spans:  # only the GPU was recorded: the window runs from its first kernel to its last
         spans = [(min(a for a, _ in intervals), max(b for _, b in intervals))]
     span = spans[-1][1] - spans[0][0]
-    busy = busy_time([(a, b) for a, b in intervals if spans[0][0] <= a <= spans[-1][1]])
+    intervals = [(a, b) for a, b in intervals if spans[0][0] <= a <= spans[-1][1]]  # the window's
+    busy = busy_time(intervals)
     print(f"\n{title}")
     print(f"per step: wall {wall:.0f} us (unprofiled), host {host:.0f} us; profiled: "
           f"{span / steps:.0f} us, GPU busy {busy / steps:.0f} us ({busy / span:.0%}), "
           f"idle {(span - busy) / steps:.0f} us")
-    idle_by_gap([(a, b) for a, b in intervals if spans[0][0] <= a <= spans[-1][1]], steps, span)
+    idle_by_gap(intervals, steps, span)
     if phases:
         print("host time per step (us):",
               ", ".join(f"{k} {v * 1e6 / steps:.0f}" for k, v in phases.items() if v))
