@@ -14,16 +14,16 @@ PROMPT_KEYS = {"prompt", "prompt_token_ids"}  # vLLM's prompt dicts
 
 
 def load_tokenizer(model: str):
-    """The model directory's Hugging Face tokenizer; a ValueError if it has none. A tokenizer.json
-    is loaded by the fast tokenizer's class itself: AutoTokenizer imports much of transformers
-    (generation, distributed, their dependencies), which took 6-8 s of a start on an H200 host."""
+    """The model directory's tokenizer; a ValueError if it has none. A tokenizer.json is read
+    without transformers (engine/tokenizer.py); a SentencePiece tokenizer.model or a vocab.json
+    alone through transformers' AutoTokenizer."""
     files = ("tokenizer.json", "tokenizer.model", "vocab.json")
     if not any(os.path.isfile(os.path.join(model, f)) for f in files):
         raise ValueError(f"model={model!r} has no tokenizer ({', '.join(files)}): add one, or pass "
                          "skip_tokenizer_init=True and give prompts as token ids")
     if os.path.isfile(os.path.join(model, "tokenizer.json")):
-        from transformers import PreTrainedTokenizerFast
-        return PreTrainedTokenizerFast.from_pretrained(model)
+        from nanovllm.engine.tokenizer import Tokenizer
+        return Tokenizer(model)
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(model)
 
