@@ -143,7 +143,7 @@ def report(prof, steps: int, wall: float, host: float, phases: dict, title: str)
     busy = busy_time(intervals)
     print(f"\n{title}")
     print(f"per step: wall {wall:.0f} us (unprofiled), host {host:.0f} us; profiled: "
-          f"{span / steps:.0f} us, GPU busy {busy / steps:.0f} us ({busy / span:.0%}), "
+          f"{span / steps:.0f} us, GPU busy {busy / steps:.0f} us ({busy / span:.1%}), "
           f"idle {(span - busy) / steps:.0f} us")
     idle_by_gap(intervals, steps, span)
     if phases:
