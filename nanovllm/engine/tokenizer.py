@@ -31,8 +31,8 @@ class Tokenizer:
         if os.path.isfile(config_file):
             with open(config_file) as f:
                 config = json.load(f)
-        self.special_tokens = {name: token_text(config[name]) for name in SPECIAL_TOKENS
-                               if token_text(config.get(name)) is not None}
+        special = {name: token_text(config.get(name)) for name in SPECIAL_TOKENS}
+        self.special_tokens = {name: text for name, text in special.items() if text is not None}
         eos = self.special_tokens.get("eos_token")
         self.eos_token_id = self.backend.token_to_id(eos) if eos is not None else None
         # what skip_special_tokens drops beside the tokenizer's own special tokens: the config's
