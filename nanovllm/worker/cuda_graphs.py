@@ -23,7 +23,7 @@ last step sampled (run_ahead.py), and it ends with the logits of every row, writ
 that all decode graphs share. A decode step whose rows all sample plainly (temperature or greedy:
 no seeds, truncation, penalties or log-probabilities) draws its tokens with a captured
 gumbel_max_sample of its size (`sample`, kernels/sample.py), into the buffer the next step's graph
-fills its placeholders from; a greedy one's argmax writes there too (ModelRunner.run).
+fills its placeholders from.
 """
 import time
 from itertools import accumulate

@@ -117,10 +117,7 @@ class ModelRunner:
             return torch.empty(0, dtype=torch.int64), None
         params = [seq.params for seq in batch.seqs]
         if all(p.greedy and not p.penalized and p.logprobs is None for p in params):
-            out = None  # a decode graph's rows: where the next step's graph reads them from
-            if self.graphs is not None and logits is self.graphs.sampleable:
-                out = self.graphs.tokens[:len(logits)]
-            token_ids, top = torch.argmax(logits, -1, out=out), None
+            token_ids, top = logits.argmax(-1), None
         else:  # penalties, temperature, seeds, truncation, log-probabilities: layers/sampler.py
             token_ids, top = sample_batch(logits, batch, self)
         self.last_tokens = token_ids
