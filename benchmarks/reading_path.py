@@ -51,6 +51,7 @@ OPTIONAL_FEATURES = {
     "nanovllm.core.swap", "nanovllm.core.reservation",      # preemption_mode, kv_reservation
     "nanovllm.core.sharing", "nanovllm.engine.beam_search",  # n > 1, beam search
     "nanovllm.engine.streaming",                            # streamed text, stop strings
+    "nanovllm.engine.tokenizer",                            # text (this request's are token ids)
     "nanovllm.engine.metrics", "nanovllm.engine.stats",     # log_stats, get_stats()
     "nanovllm.core.requeue",                                # aborts, steps that fail
     "nanovllm.layers.penalties", "nanovllm.layers.logprobs",  # per-request sampling options
