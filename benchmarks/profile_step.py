@@ -156,6 +156,7 @@ def report(prof, steps: int, wall: float, host: float, phases: dict, title: str)
         print("\n| host self time per step (us, profiled) | op or range |\n|---|---|")
     for name, t in sorted(host_ops.items(), key=lambda kv: -kv[1])[:15]:
         print(f"| {t / steps:8.1f} | {name} |")
+    return busy / steps
 
 
 def instrument(llm) -> dict:
@@ -273,8 +274,9 @@ def serving_steps(args):
     title = (f"{args.attn_backend}, serving {args.trace} rate {args.rate}, {args.num_requests} "
              f"requests, prefill_first={args.prefill_first}, steps {first + 1}.."
              f"{first + args.steps}, {torch.cuda.get_device_name()}")
-    report(state["prof"], args.steps, wall, host, state["phases"], title)
-    print(f"GPU busy over the same steps, unprofiled (CUDA events): {window:.1%}")
+    busy = report(state["prof"], args.steps, wall, host, state["phases"], title)
+    print(f"GPU busy over the same steps, unprofiled (CUDA events): {window:.1%}; the profiled "
+          f"kernels' time over the unprofiled steps' GPU time: {busy / (wall * window):.1%}")
     print(f"\nthe whole run: {serving.summary(result)}; GPU busy {whole:.1%} of the time "
           "from the first step's GPU work to the last's (CUDA events)")
     if args.json:
