@@ -45,11 +45,12 @@ def test_tokenizer_matches_autotokenizer(smollm2_dir, tmp_path, kind):
 
 
 # a template that uses what transformers gives templates: loop controls, namespace, tojson,
-# raise_exception, {% generation %} blocks, the special tokens
+# raise_exception, {% generation %} blocks, the special tokens, a reasoning field's other names
 TEMPLATE = """{{ bos_token }}{% set ns = namespace(n=0) %}{% for m in messages %}
 {% if m.role not in ('user', 'assistant') %}{{ raise_exception('roles alternate') }}{% endif %}
 {% if loop.index > 3 %}{% break %}{% endif %}{% set ns.n = ns.n + 1 %}
-{% if m.role == 'assistant' %}{% generation %}A: {{ m.content }}{{ eos_token }}{% endgeneration %}
+{% if m.role == 'assistant' %}{% generation %}A: {{ m.thinking }} {{ m.reasoning_content }}
+{{ m.content }}{{ eos_token }}{% endgeneration %}
 {% else %}U: {{ m.content | tojson }} {{ m | tojson(indent=1) }}
 {% endif %}{% endfor %}{{ ns.n }}{% if add_generation_prompt %}A:{% endif %}"""
 
@@ -84,6 +85,8 @@ def test_tokenizer_of_our_own_matches_autotokenizer(tmp_path):
             assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(
                 ids, skip_special_tokens=skip)
     chats = [[{"role": "user", "content": "Hi \"there\" <b>"}],
+             [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b",
+                                                 "reasoning": "because"}],
              [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}] * 3]
     for conversation in chats:
         for prompt in (True, False):

@@ -9,6 +9,7 @@ import os
 from datetime import datetime
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+REASONING = ("reasoning_content", "thinking", "reasoning")  # a message's reasoning, by its names
 # transformers' clean_up_tokenization, for tokenizers whose config asks for it
 CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
             (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
@@ -71,10 +72,20 @@ class Tokenizer:
                              "chat_template, or chat_template.jinja)")
         if self.template is None:
             self.template = compile_template(self.chat_template)
+        conversation = [with_reasoning(m) if isinstance(m, dict) else m for m in conversation]
         text = self.template.render(**{"messages": conversation, "tools": None, "documents": None,
                                        "add_generation_prompt": add_generation_prompt,
                                        **self.special_tokens, **kwargs})
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def with_reasoning(message: dict) -> dict:
+    """A message whose reasoning comes under any of its names carries it under each (templates read
+    `reasoning_content`, gpt-oss's `thinking`), as transformers passes it."""
+    reasoning = next((message[k] for k in REASONING if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def compile_template(source: str):
