@@ -143,22 +143,22 @@ class CUDAGraphs:
         shapes = ([("mixed", t) for t in self.token_sizes]
                   + [("decode", s) for s in self.decode_sizes])
         max_blocks = num_blocks_for(config.max_model_len, config.kvcache_block_size)  # per table
-        plans = []  # (kind, size, sizes, inputs, whole?, ends in logits?, forward), largest first
-        for kind, size in sorted(shapes, key=lambda shape: -shape[1]):
+        plans = []  # (kind, size, sizes, inputs, args, whole?, ends in logits?, forward)
+        for kind, size in sorted(shapes, key=lambda shape: -shape[1]):  # largest first
             sizes = self.sizes(kind, size, max_seqs, max_blocks)
             # the step's fields at fixed addresses, then room for its sampled rows (upload)
             inputs = torch.zeros(sum(field_sizes(*sizes)) + max_seqs, dtype=torch.int32,
                                  device=runner.device)
+            args = unpack(inputs, sizes, sizes, num_decodes=sizes[1])
             whole = support == "always" or (support == "decode" and kind == "decode")
             ends_in_logits = whole and kind == "decode" and self.logits is not None
             forward = self.decode_forward(runner) if ends_in_logits else runner.forward
-            plans.append((kind, size, sizes, inputs, whole, ends_in_logits, forward))
+            plans.append((kind, size, sizes, inputs, args, whole, ends_in_logits, forward))
         with compile_ahead(runner.model):  # the whole graphs' Triton kernels, all at once
-            for _, _, sizes, inputs, whole, _, forward in plans:
+            for _, _, _, _, args, whole, _, forward in plans:
                 if whole:
-                    forward(*unpack(inputs, sizes, sizes, num_decodes=sizes[1]))
-        for kind, size, sizes, inputs, whole, ends_in_logits, forward in plans:
-            args = unpack(inputs, sizes, sizes, num_decodes=sizes[1])
+                    forward(*args)
+        for kind, size, sizes, inputs, args, whole, ends_in_logits, forward in plans:
             graph = (FullGraph(forward, args, pool) if whole else
                      PiecewiseGraph(runner.forward, args, runner.kv_cache.attns, q, out, pool))
             graph.sizes, graph.inputs, graph.ends_in_logits = sizes, inputs, ends_in_logits
