@@ -28,8 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.paged import (dependent_launch, kv_row_offsets, wait_for_previous,
-                                    widen_config, widen_v)
+from nanovllm.kernels.paged import kv_row_offsets, widen_config, widen_v
 
 # more splits than this only adds merge work: 64 chunks of a long context already fill the GPU
 MAX_SPLITS = 64
@@ -54,9 +53,7 @@ def _decode_split_kernel(
     stride_ot, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, CASCADE: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    wait_for_previous(PDL)
     _decode_split(
         tl.program_id(1), tl.program_id(0), tl.program_id(2), q_ptr, k_cache_ptr, v_cache_ptr,
         cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr, key_starts_ptr, out_ptr, partial_ptr,
@@ -267,7 +264,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], CASCADE=False,
-        **{**widen_config(q.dtype, k_cache.dtype), **cfg, **dependent_launch(q)},
+        **{**widen_config(q.dtype, k_cache.dtype), **cfg},
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](

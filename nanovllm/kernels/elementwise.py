@@ -11,15 +11,11 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.paged import dependent_launch, wait_for_previous
-
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, eps,
-                         HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
-                         PDL: tl.constexpr):
+                         HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr):
     # One program per token: x (+ residual), its RMS in float32, times the weight.
-    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64) * HIDDEN
     cols = tl.arange(0, BLOCK)
     inside = cols < HIDDEN
@@ -44,16 +40,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     num_warps = min(max(block // 256, 1), 16)  # 8 columns a thread
     _add_rms_norm_kernel[(x.numel() // hidden,)](
         x, x if residual is None else residual.contiguous(), weight, out, new_residual, eps,
-        HIDDEN=hidden, BLOCK=block, ADD=residual is not None, num_warps=num_warps,
-        **dependent_launch(x))
+        HIDDEN=hidden, BLOCK=block, ADD=residual is not None, num_warps=num_warps)
     return out, new_residual
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
     # Program (token, chunk): silu(gate) * up over BLOCK columns of the token's [gate | up] row.
-    wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < WIDTH
@@ -70,5 +63,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = x.new_empty(*x.shape[:-1], width)
     block = min(triton.next_power_of_2(width), 1024)
     _silu_and_mul_kernel[(x.numel() // (2 * width), triton.cdiv(width, block))](
-        x, out, WIDTH=width, BLOCK=block, num_warps=4, **dependent_launch(x))
+        x, out, WIDTH=width, BLOCK=block, num_warps=4)
     return out

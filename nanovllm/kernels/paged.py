@@ -15,26 +15,6 @@ import triton.language as tl
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-def dependent_launch(x: torch.Tensor) -> dict:
-    """A launch's options: on x's GPU, if Hopper or later, the kernel launches before the kernel
-    ahead of it ends (CUDA's programmatic dependent launch): its programs are placed while that
-    one drains, and wait for it (`wait_for_previous`) before reading what it wrote. Not in
-    Triton's interpreter, which runs no PTX."""
-    on = (x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-          and os.environ.get("NANOVLLM_PDL", "1") == "1"
-          and torch.cuda.get_device_capability(x.device)[0] >= 9)
-    return {"PDL": on, "launch_pdl": on}
-
-
-@triton.jit
-def wait_for_previous(PDL: tl.constexpr):
-    """With PDL: wait until the kernel ahead has ended and its writes show, and let the next kernel
-    launch now (it waits the same way before it reads what this one writes)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
 def widen_config(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> dict:
     """How the kernels widen the cache for their tensor-core dots: DOT_DTYPE, and FP8_ASM (V's
     e4m3 -> float16 through `widen_v`'s inline PTX; the interpreter runs no PTX).
