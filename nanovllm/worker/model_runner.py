@@ -7,6 +7,8 @@ device (worker/step_inputs.py); `execute` runs the model (or replays a graph) an
 of the rows that sample. `run` (rank 0) also picks the next tokens (argmax for greedy rows, else
 nanovllm/layers/sampler.py), and returns before the GPU is done.
 """
+import os
+
 import torch
 
 from nanovllm.attention import get_backend
@@ -27,6 +29,10 @@ class ModelRunner:
         self.config = config
         self.device = device or torch.device("cuda:0" if config.device == "cuda" else "cpu")
         if self.device.type == "cuda":
+            # cuBLAS without a workspace, unless the user set one (before any GEMM of the process):
+            # at decode batch sizes its split-K GEMMs, each with a reduce kernel after it, give
+            # way to one kernel each (docs/benchmarks.md, "Busy under serving load")
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":0:0")
             torch.cuda.set_device(self.device)
         cfg = config.hf_config
         self.backend = get_backend(config.attn_backend)(*self.heads(), cfg["head_dim"], config)
