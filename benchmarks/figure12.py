@@ -281,7 +281,8 @@ def sustained(runs: list[dict], queue_steps: float) -> float:
 
 def load(paths: list[str]) -> list[dict]:
     """The panels of run's and prefix's JSON files, each with its file's setup. Modes of one panel
-    (the same model, device, cache and workload) measured by several commands come together."""
+    (the same model, device, cache and workload) measured by several commands come together; a mode
+    measured by several keeps the first one's saturated run and every one's Poisson runs."""
     panels = {}
     for path in paths:
         with open(path) as f:
@@ -291,7 +292,12 @@ def load(paths: list[str]) -> list[dict]:
             p = {"figure": 12, "prefix_len": 0, **common, **panel}
             key = json.dumps([p["figure"], p["setup"], p["device"], p["trace"], p["prefix_len"]],
                              sort_keys=True)
-            panels.setdefault(key, dict(p, modes={}))["modes"].update(p["modes"])
+            modes = panels.setdefault(key, dict(p, modes={}))["modes"]
+            for mode, measured in p["modes"].items():
+                if mode in modes:
+                    measured = dict(modes[mode], runs=sorted(modes[mode]["runs"] + measured["runs"],
+                                                             key=lambda r: r["rate"]))
+                modes[mode] = measured
     for p in panels.values():
         p["modes"] = {m: p["modes"][m] for m in serving.MODES if m in p["modes"]}
     return list(panels.values())

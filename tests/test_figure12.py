@@ -145,6 +145,22 @@ def test_modes_of_one_panel_from_two_files(tmp_path):
     assert len(figure12.load(paths[:1] + [paths[0]])) == 1
 
 
+def test_a_mode_from_two_files_keeps_every_run(tmp_path):
+    """A mode measured by two commands: the first one's saturated run, both ones' Poisson runs."""
+    paths = []
+    for rate, saturated in ((4.0, 6.0), (5.0, 7.0)):
+        panel = fake_panel("small", "sharegpt", dict(oracle=(rate, saturated)))
+        common = {k: panel.pop(k) for k in ("setup", "device", "queue_steps")}
+        paths.append(str(tmp_path / f"{len(paths)}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(dict(common, panels=[panel]), f)
+    [panel] = figure12.load(paths)
+    oracle = panel["modes"]["oracle"]
+    assert oracle["saturated"]["capacity"] == 6.0
+    assert [r["rate"] for r in oracle["runs"]] == [2.0, 2.5, 4.0, 5.0, 6.0, 7.5]
+    assert figure12.sustained(oracle["runs"], 10) == 5.0  # 6.0 fell behind
+
+
 def test_grid_is_the_papers_layout():
     """A row per trace, a column per model: 2 models x 2 traces in four panels, (a) to (d)."""
     rates = dict(paged=(10.0, 9.0))
