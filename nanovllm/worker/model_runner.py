@@ -28,12 +28,18 @@ class ModelRunner:
         one shard per rank: TPModelRunner, nanovllm/worker/distributed.py.)"""
         self.config = config
         self.device = device or torch.device("cuda:0" if config.device == "cuda" else "cpu")
+        # on CUDA, Triton kernels (imported only where they run): sampling in one pass over the
+        # logits (kernels/sample.py), steps of a few rows through fused GEMVs (fused_decode.py)
+        self.one_pass_sample = self.small_batch = None
         if self.device.type == "cuda":
             # cuBLAS without a workspace, unless the user set one (before any GEMM of the process):
             # at decode batch sizes its split-K GEMMs, each with a reduce kernel after it, give
             # way to one kernel each (docs/benchmarks.md, "Busy under serving load")
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":0:0")
             torch.cuda.set_device(self.device)
+            from nanovllm.kernels.sample import gumbel_max_sample
+            from nanovllm.layers import fused_decode
+            self.one_pass_sample, self.small_batch = gumbel_max_sample, fused_decode
         cfg = config.hf_config
         self.backend = get_backend(config.attn_backend)(*self.heads(), cfg["head_dim"], config)
         torch.manual_seed(config.seed)
@@ -47,13 +53,6 @@ class ModelRunner:
             init_dummy(self.model, config.seed)
         else:
             load_model(self.model, config.model)
-        # on CUDA, Triton kernels (imported only where they run): sampling in one pass over the
-        # logits (kernels/sample.py), steps of a few rows through fused GEMVs (fused_decode.py)
-        self.one_pass_sample = self.small_batch = None
-        if self.device.type == "cuda":
-            from nanovllm.kernels.sample import gumbel_max_sample
-            from nanovllm.layers import fused_decode
-            self.one_pass_sample, self.small_batch = gumbel_max_sample, fused_decode
         self.last_tokens = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.eos_token_ids: set[int] = set()  # the engine's, for min_tokens
         self.swap_space = self.graphs = None
