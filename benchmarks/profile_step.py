@@ -240,7 +240,8 @@ def serving_steps(args):
     def clock(i):  # wall and host time per step over the window, unprofiled
         if i in (first, first + args.steps):
             state[i] = time.perf_counter(), wait["wait"]
-    result = serving.drive(llm, requests, arrivals, vocab, args.seed, clock)
+    result = serving.drive(llm, requests, arrivals, vocab, args.seed, clock,
+                           sample_every=serving.SAMPLE_EVERY)
     if first + args.steps not in state:
         sys.exit(f"the run took {result['steps']} steps: fewer than --window-start + --steps")
     window = fraction(first, first + args.steps)
@@ -265,7 +266,8 @@ def serving_steps(args):
             state["range"] = record_function("step")
             state["range"].__enter__()
     try:  # other prompts of the same lengths: the first run's are in the prefix cache
-        serving.drive(llm, requests, arrivals, vocab, args.seed + 1, profiled)
+        serving.drive(llm, requests, arrivals, vocab, args.seed + 1, profiled,
+                      sample_every=serving.SAMPLE_EVERY)
     except WindowDone:
         for request_id in list(llm.requests):
             llm.abort_request(request_id)
