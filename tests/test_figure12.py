@@ -131,15 +131,21 @@ def test_summary_table_gives_papers_ratios():
         "| 12 | big, 2 x GPU, 15,744 KV slots | alpaca | 10.00 (9.00) | - | - | - | - | - | - |")
 
 
-def test_modes_of_one_panel_from_two_files(tmp_path):
-    """Modes that two commands measured on the same model, cache and trace make one panel."""
+def panel_files(tmp_path, *rates: dict) -> list[str]:
+    """A JSON file per rates (fake_panel's), each one panel of the same model, cache and trace."""
     paths = []
-    for rates in (dict(max=(2.0, 3.0), oracle=(5.0, 6.0)), dict(paged=(10.0, 9.0))):
-        panel = fake_panel("small", "sharegpt", rates)
+    for r in rates:
+        panel = fake_panel("small", "sharegpt", r)
         common = {k: panel.pop(k) for k in ("setup", "device", "queue_steps")}
         paths.append(str(tmp_path / f"{len(paths)}.json"))
         with open(paths[-1], "w") as f:
             json.dump(dict(common, panels=[panel]), f)
+    return paths
+
+
+def test_modes_of_one_panel_from_two_files(tmp_path):
+    """Modes that two commands measured on the same model, cache and trace make one panel."""
+    paths = panel_files(tmp_path, dict(max=(2.0, 3.0), oracle=(5.0, 6.0)), dict(paged=(10.0, 9.0)))
     [panel] = figure12.load(paths)
     assert list(panel["modes"]) == ["paged", "oracle", "max"]
     assert len(figure12.load(paths[:1] + [paths[0]])) == 1
@@ -147,14 +153,7 @@ def test_modes_of_one_panel_from_two_files(tmp_path):
 
 def test_a_mode_from_two_files_keeps_every_run(tmp_path):
     """A mode measured by two commands: the first one's saturated run, both ones' Poisson runs."""
-    paths = []
-    for rate, saturated in ((4.0, 6.0), (5.0, 7.0)):
-        panel = fake_panel("small", "sharegpt", dict(oracle=(rate, saturated)))
-        common = {k: panel.pop(k) for k in ("setup", "device", "queue_steps")}
-        paths.append(str(tmp_path / f"{len(paths)}.json"))
-        with open(paths[-1], "w") as f:
-            json.dump(dict(common, panels=[panel]), f)
-    [panel] = figure12.load(paths)
+    [panel] = figure12.load(panel_files(tmp_path, dict(oracle=(4.0, 6.0)), dict(oracle=(5.0, 7.0))))
     oracle = panel["modes"]["oracle"]
     assert oracle["saturated"]["capacity"] == 6.0
     assert [r["rate"] for r in oracle["runs"]] == [2.0, 2.5, 4.0, 5.0, 6.0, 7.5]

@@ -160,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
 def event_loop_runner():
     """uvloop's run where it is installed (uvicorn[standard], the serve extra), else asyncio's.
     With uvloop's loop and httptools' parser (uvicorn picks it itself) a streamed token, one
-    server-sent event, costs the server's process less than half the CPU it does with asyncio's
-    and h11's (docs/scaling.md)."""
+    server-sent event, costs the server's process about half the CPU it does with asyncio's and
+    h11's (docs/scaling.md)."""
     try:
         import uvloop
     except ImportError:
