@@ -18,7 +18,10 @@ architecture of benchmarks/archs.json (`--arch`, random weights) split over
      normalized latency against the request rate (Figure 12), until one falls behind: its median
      request waits more than `--queue-steps` decode steps (median TPOT) before it is first
      scheduled, or requests are left at the deadline (twice the time its last request would end
-     at the saturated run's time per step, plus 10 s). Queueing is what makes the paper's
+     at the saturated run's time per step, plus 10 s). Then runs at the geometric midpoint of the
+     highest rate that kept up and the lowest that fell behind place the knee, until the two lie
+     within `--knee` (10%) of each other (if the first run fell behind, runs at rates lower by
+     `--knee` squared look for one that keeps up). Queueing is what makes the paper's
      normalized latency blow up over its hour-long traces; in runs of seconds it shows first in the
      queueing delay, while the normalized latency of a mode that keeps up still grows with its
      batch (a step takes longer), which is no blow-up.
@@ -198,7 +201,9 @@ def serve(args, llm, mode: str, panel: dict, panel_end: float, out: dict):
     if not saturated["capacity"] > 0:
         print(f"{name}: the saturated run measured no rate: no Poisson runs", flush=True)
         return
-    for i, fraction in enumerate(args.fractions):
+    fractions, kept_up, fell_behind, i = list(args.fractions), 0.0, math.inf, 0
+    while fractions:
+        fraction = fractions.pop(0)
         rate = fraction * saturated["capacity"]
         n = max(args.min_requests, round(rate * args.duration))
         requests = serving.synthesize(panel["trace"], n, args.seed + 1 + i, max_len)
@@ -218,8 +223,25 @@ def serve(args, llm, mode: str, panel: dict, panel_end: float, out: dict):
         print(f"{name}, rate {rate:.2f} ({fraction:.2f} of saturated): "
               f"{serving.summary(result)}" + (" (cut by --budget)" if summary["cut"] else ""),
               flush=True)
-        if summary["cut"] or behind(summary, args.queue_steps):
+        if summary["cut"]:
             break
+        if behind(summary, args.queue_steps):
+            fell_behind, fractions = min(fell_behind, fraction), []  # higher rates fall behind too
+        else:
+            kept_up = max(kept_up, fraction)
+        i += 1
+        if not fractions and (refine := next_fraction(kept_up, fell_behind, args.knee)):
+            fractions = [refine]
+
+
+def next_fraction(kept_up: float, fell_behind: float, knee: float) -> float | None:
+    """The next Poisson rate, as a fraction of the saturated one, that narrows down the knee: the
+    geometric midpoint of the highest fraction that kept up and the lowest that fell behind (0 and
+    inf: none yet), or, if none kept up, the lowest over knee squared. None once they lie within a
+    factor `knee` of each other, when none fell behind, or with knee <= 1."""
+    if knee <= 1 or fell_behind == math.inf or fell_behind <= kept_up * knee:
+        return None
+    return math.sqrt(kept_up * fell_behind) if kept_up else fell_behind / knee ** 2
 
 
 def last_end(arrivals: list[float], requests: list[tuple[int, int]], step_time: float) -> float:
@@ -543,6 +565,9 @@ def serving_options(p: argparse.ArgumentParser, modes: list[str]):
     p.add_argument("--saturate", type=float, default=5.0, help="seconds of the saturated run")
     p.add_argument("--backlog", type=int, default=64, help="requests kept waiting, saturated")
     p.add_argument("--min-requests", type=int, default=20)
+    p.add_argument("--knee", type=float, default=1.1,
+                   help="after a run falls behind, more runs until the knee lies within this "
+                        "factor of rates (1: none)")
     p.add_argument("--queue-steps", type=float, default=10.0,
                    help="a run falls behind when its median request queues longer (steps)")
     p.add_argument("--sample-every", type=float, default=0.02, help="seconds between KV samples")

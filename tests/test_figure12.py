@@ -109,6 +109,45 @@ def test_sustained_rate():
     assert figure12.sustained([fake_run(1, fell_behind=True)], 10) == 0
 
 
+def sweep(knee_rate: float, fractions: list[float], monkeypatch) -> list[float]:
+    """The fractions of the saturated rate (100 req/s) that figure12.serve runs, in order, for a
+    mode whose median request queues (falls behind) above `knee_rate` req/s."""
+    def drive(llm, requests, arrivals, vocab, seed, backlog=0, deadline=0.0, **_):
+        rate = len(requests) / 100 if not backlog else 0.0  # --duration 100
+        record = dict(prompt=8, output=8, e2e=1.0, prefix=0, cached=0, ttft=0.1, tpot=0.01,
+                      queue=1.0 if rate > knee_rate else 0.001)
+        tokens = 100 * sum(o for _, o in requests) / len(requests)  # saturated: 100 requests/s
+        samples = [[t, 4, 0, tokens * t] + [1] * len(serving.BREAKDOWN) for t in (0.0, 0.5, 1.0)]
+        return dict(wall=1.0, steps=100, requests_per_s=rate, output_tokens_per_s=tokens,
+                    mean_running=4, max_running=4, unfinished=0, normalized_latency=0.1,
+                    preemptions=0, records=[record], samples=samples)
+    monkeypatch.setattr(serving, "drive", drive)
+    monkeypatch.setattr(serving, "warm_up", lambda *a: None)
+    llm = Namespace(config=Namespace(hf_config=dict(vocab_size=100), max_model_len=256))
+    args = Namespace(backlog=4, sample_every=0.0, saturate=1.0, seed=0, fractions=fractions,
+                     min_requests=1, duration=100.0, queue_steps=10.0, knee=1.1, output="")
+    panel = dict(figure=12, trace="alpaca", prefix_len=0, modes={})
+    out = dict(setup=dict(arch="tiny"))
+    figure12.serve(args, llm, "paged", panel, time.monotonic() + 10_000, out)
+    return [run["fraction"] for run in panel["modes"]["paged"]["runs"]]
+
+
+def test_runs_place_the_knee_within_ten_percent(monkeypatch):
+    """After a run falls behind, runs at geometric midpoints narrow the knee to 10%; if the first
+    run falls behind, lower rates look for one that keeps up."""
+    ran = sweep(93, [0.5, 0.8, 1.0], monkeypatch)
+    assert ran[:3] == [0.5, 0.8, 1.0] and ran[3] == pytest.approx(0.8 ** 0.5)
+    kept = max(f for f in ran if f <= 0.93)
+    behind = min(f for f in ran if f > 0.93)
+    assert behind / kept <= 1.1 + 1e-9 and len(ran) == 5
+    ran = sweep(60, [0.9], monkeypatch)
+    assert ran[:2] == pytest.approx([0.9, 0.9 / 1.21])
+    kept = max(f for f in ran if f <= 0.6)
+    assert min(f for f in ran if f > 0.6) / kept <= 1.1 + 1e-9
+    assert sweep(200, [0.5, 1.0], monkeypatch) == [0.5, 1.0]  # kept up at every rate: no more
+    assert figure12.next_fraction(0.0, 0.9, 1.0) is None  # --knee 1: none
+
+
 def fake_panel(arch: str, trace: str, rates: dict[str, tuple[float, float]]) -> dict:
     """A Figure 12 panel whose modes sustain rates[mode][0] and saturate at rates[mode][1]."""
     modes = {m: dict(saturated=dict(capacity=saturated),
