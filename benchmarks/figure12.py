@@ -304,7 +304,8 @@ def sustained(runs: list[dict], queue_steps: float) -> float:
 def load(paths: list[str]) -> list[dict]:
     """The panels of run's and prefix's JSON files, each with its file's setup. Modes of one panel
     (the same model, device, cache and workload) measured by several commands come together; a mode
-    measured by several keeps the first one's saturated run and every one's Poisson runs."""
+    measured by several keeps the first one's saturated run and every one's Poisson runs, and each
+    mode's runs come sorted by rate."""
     panels = {}
     for path in paths:
         with open(path) as f:
@@ -316,10 +317,9 @@ def load(paths: list[str]) -> list[dict]:
                              sort_keys=True)
             modes = panels.setdefault(key, dict(p, modes={}))["modes"]
             for mode, measured in p["modes"].items():
-                if mode in modes:
-                    measured = dict(modes[mode], runs=sorted(modes[mode]["runs"] + measured["runs"],
-                                                             key=lambda r: r["rate"]))
-                modes[mode] = measured
+                earlier = modes[mode] if mode in modes else dict(measured, runs=[])
+                runs = sorted(earlier["runs"] + measured["runs"], key=lambda r: r["rate"])
+                modes[mode] = dict(earlier, runs=runs)  # by rate: --knee runs them out of order
     for p in panels.values():
         p["modes"] = {m: p["modes"][m] for m in serving.MODES if m in p["modes"]}
     return list(panels.values())

@@ -199,6 +199,19 @@ def test_a_mode_from_two_files_keeps_every_run(tmp_path):
     assert figure12.sustained(oracle["runs"], 10) == 5.0  # 6.0 fell behind
 
 
+def test_runs_load_sorted_by_rate(tmp_path):
+    """--knee runs rates out of order (one that fell behind, then lower ones): load sorts them, so
+    that lines and tables go by rate, and sustained() sees the one that fell behind last."""
+    [path] = panel_files(tmp_path, dict(paged=(4.0, 6.0)))
+    with open(path) as f:
+        data = json.load(f)
+    data["panels"][0]["modes"]["paged"]["runs"].reverse()  # 6.0 (behind), 4.0, 2.0
+    with open(path, "w") as f:
+        json.dump(data, f)
+    [panel] = figure12.load([path])
+    assert [r["rate"] for r in panel["modes"]["paged"]["runs"]] == [2.0, 4.0, 6.0]
+
+
 def test_grid_is_the_papers_layout():
     """A row per trace, a column per model: 2 models x 2 traces in four panels, (a) to (d)."""
     rates = dict(paged=(10.0, 9.0))
