@@ -180,10 +180,15 @@ def test_finish_frees_blocks_and_leaves_running():
     sched = make(num_blocks=8)
     s1, s2 = add(sched, 5, 5)
     step(sched)
+    [s3] = add(sched, 5)
+    waiting = sched.waiting
     sched.finish([s1])
     assert s1.status == SequenceStatus.FINISHED and s1.block_table == []
     assert list(sched.running) == [s2]
+    assert sched.waiting is waiting and list(waiting) == [s3]  # not walked: none of them waited
     assert sched.block_manager.num_free_blocks == 8 - 2
+    sched.finish([s3])
+    assert not sched.waiting
     sched.finish([s2])
     assert not sched.has_unfinished()
 

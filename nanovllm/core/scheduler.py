@@ -192,12 +192,16 @@ class Scheduler:
 
     def finish(self, seqs: list[Sequence]):
         """Free finished sequences and drop them from the queues (one preempted while its last token
-        was being sampled is waiting or swapped)."""
+        was being sampled, or aborted before it ran, is waiting or swapped). The waiting queue,
+        thousands long under load, is walked only when one of them waited."""
+        waited = False
         for seq in seqs:
             if seq.status == SequenceStatus.SWAPPED:
                 self.swap.drop(seq)
+            waited |= seq.status == SequenceStatus.WAITING
             self.block_manager.free(seq)
             seq.status = SequenceStatus.FINISHED
         if seqs:
             self.running = deque(s for s in self.running if not s.is_finished)
+        if waited:
             self.waiting = deque(s for s in self.waiting if not s.is_finished)
