@@ -201,7 +201,7 @@ def test_a_mode_from_two_files_keeps_every_run(tmp_path):
 
 def test_runs_load_sorted_by_rate(tmp_path):
     """--knee runs rates out of order (one that fell behind, then lower ones): load sorts them, so
-    that lines and tables go by rate, and sustained() sees the one that fell behind last."""
+    that a mode's line and its table go by rate."""
     [path] = panel_files(tmp_path, dict(paged=(4.0, 6.0)))
     with open(path) as f:
         data = json.load(f)
