@@ -194,11 +194,10 @@ class Scheduler:
         """Free finished sequences and drop them from the queues (one preempted while its last token
         was being sampled, or aborted before it ran, is waiting or swapped). The waiting queue,
         thousands long under load, is walked only when one of them waited."""
-        waited = False
+        waited = any(seq.status == SequenceStatus.WAITING for seq in seqs)
         for seq in seqs:
             if seq.status == SequenceStatus.SWAPPED:
                 self.swap.drop(seq)
-            waited |= seq.status == SequenceStatus.WAITING
             self.block_manager.free(seq)
             seq.status = SequenceStatus.FINISHED
         if seqs:
