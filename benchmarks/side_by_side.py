@@ -10,7 +10,8 @@ and the attention backend it builds. Per engine and run (`--runs`), a row of:
 - ready: seconds to import the package and to build `LLM(path)`; with `--cold`, each engine's
   first run starts from empty Triton and Inductor caches (directories of its own), the next ones
   find them warm; with `--serve`, for nanovllm trees, seconds from starting `python -m
-  nanovllm.serve DIR` to its /health answering 200 (caches warm);
+  nanovllm.serve DIR` to its /health answering 200 (a cold run's server from empty caches of
+  its own, a warm run's from the engine's);
 - first use: the first request of 8 tokens, the first batch of 64 requests sharing a 1,024-token
   prefix, a batch of the same shape with a prefix never seen, and that batch again (what the
   first use of a feature builds while serving shows here);
@@ -156,8 +157,11 @@ def main():
     print("| engine | " + " | ".join(keys) + " |\n|---|" + "---:|" * len(keys), flush=True)
     for name, root, backend in engines:
         caches = tempfile.mkdtemp(prefix="side_by_side_")
-        cold_env = {"TRITON_CACHE_DIR": os.path.join(caches, "triton"),
-                    "TORCHINDUCTOR_CACHE_DIR": os.path.join(caches, "inductor")}
+
+        def empty_caches(name: str) -> dict:
+            return {"TRITON_CACHE_DIR": os.path.join(caches, name, "triton"),
+                    "TORCHINDUCTOR_CACHE_DIR": os.path.join(caches, name, "inductor")}
+        cold_env = empty_caches("engine")
         for run in range(args.runs):
             env = {**os.environ, **cold_env} if args.cold else os.environ
             out = subprocess.run([sys.executable, __file__, "--model", args.model, "--child", root,
@@ -166,9 +170,11 @@ def main():
             if out.returncode:
                 sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
             row = json.loads(out.stdout.strip().splitlines()[-1])
-            row["run"] = "cold" if args.cold and run == 0 else "warm"
-            if args.serve and name != "nano-vllm":
-                row["serve_ready_s"] = round(serve_ready(root, args.model, backend, env), 2)
+            cold = args.cold and run == 0
+            row["run"] = "cold" if cold else "warm"
+            if args.serve and name != "nano-vllm":  # a cold run's server starts cold too
+                serve_env = {**os.environ, **empty_caches("serve")} if cold else env
+                row["serve_ready_s"] = round(serve_ready(root, args.model, backend, serve_env), 2)
             cells = [row[k] if isinstance(row.get(k), str) else f"{row.get(k, math.nan):,}"
                      for k in keys]
             print(f"| {name}{'@' + backend if backend else ''} | " + " | ".join(cells) + " |",
