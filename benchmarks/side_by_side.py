@@ -93,6 +93,12 @@ def save_random_qwen3(path: str, tokenizer: str | None):
         shutil.copy(os.path.join(tokenizer or smollm2_path(), name), path)
 
 
+def empty_caches(root: str) -> dict:
+    """The environment that points Triton's and Inductor's compile caches into `root`."""
+    return {"TRITON_CACHE_DIR": os.path.join(root, "triton"),
+            "TORCHINDUCTOR_CACHE_DIR": os.path.join(root, "inductor")}
+
+
 def serve_ready(root: str, model: str, backend: str, env: dict) -> float:
     """Seconds from starting `python -m nanovllm.serve` (of the tree `root`) to /health's 200."""
     with socket.socket() as s:
@@ -157,11 +163,7 @@ def main():
     print("| engine | " + " | ".join(keys) + " |\n|---|" + "---:|" * len(keys), flush=True)
     for name, root, backend in engines:
         caches = tempfile.mkdtemp(prefix="side_by_side_")
-
-        def empty_caches(name: str) -> dict:
-            return {"TRITON_CACHE_DIR": os.path.join(caches, name, "triton"),
-                    "TORCHINDUCTOR_CACHE_DIR": os.path.join(caches, name, "inductor")}
-        cold_env = empty_caches("engine")
+        cold_env = empty_caches(os.path.join(caches, "engine"))
         for run in range(args.runs):
             env = {**os.environ, **cold_env} if args.cold else os.environ
             out = subprocess.run([sys.executable, __file__, "--model", args.model, "--child", root,
@@ -172,8 +174,10 @@ def main():
             row = json.loads(out.stdout.strip().splitlines()[-1])
             cold = args.cold and run == 0
             row["run"] = "cold" if cold else "warm"
-            if args.serve and name != "nano-vllm":  # a cold run's server starts cold too
-                serve_env = {**os.environ, **empty_caches("serve")} if cold else env
+            if args.serve and name != "nano-vllm":
+                serve_env = env
+                if cold:  # the server starts from empty caches of its own too
+                    serve_env = {**os.environ, **empty_caches(os.path.join(caches, "serve"))}
                 row["serve_ready_s"] = round(serve_ready(root, args.model, backend, serve_env), 2)
             cells = [row[k] if isinstance(row.get(k), str) else f"{row.get(k, math.nan):,}"
                      for k in keys]
