@@ -226,7 +226,7 @@ class Cascade:
             for graph, args, _, _ in plans:
                 graph.forward(*args)
         for graph, args, buffer, capacity in plans:
-            twin = FullGraph(graph.forward, args, self.pool)
+            twin = FullGraph(graph.forward, args, self.pool, runner.model)
             twin.sizes, twin.inputs = graph.sizes, graph.inputs
             twin.ends_in_logits = graph.ends_in_logits
             self.twins[graph.sizes[1]] = twin, buffer, 0, capacity

@@ -29,19 +29,26 @@ def compile_only(kernel: JITFunction, grid):
 
 
 @contextlib.contextmanager
-def compile_ahead(model, threads: int = min(8, os.cpu_count() or 1)):
-    """Within: `kernel[grid](*args)` compiles the kernel for these arguments on a thread and runs
-    nothing, and the model keeps its first decoder layer only: the others launch the same kernels,
-    and such a launch costs the host 10x a real one (Triton builds and hashes the kernel's source
-    for each). On exit, waits for every compile."""
+def first_layer_only(model):
+    """Within: the model keeps its first decoder layer only (the others launch the same kernels)."""
     layers = model.model.layers
     model.model.layers = layers[:1]
     try:
+        yield
+    finally:
+        model.model.layers = layers
+
+
+@contextlib.contextmanager
+def compile_ahead(model, threads: int = min(8, os.cpu_count() or 1)):
+    """Within: `kernel[grid](*args)` compiles the kernel for these arguments on a thread and runs
+    nothing, and the model keeps its first decoder layer only (such a launch costs the host 10x a
+    real one: Triton builds and hashes the kernel's source for each). On exit, waits for every
+    compile."""
+    with first_layer_only(model):
         if AsyncCompileMode is None:
             yield
         else:
             with (mock.patch.object(JITFunction, "__getitem__", compile_only),
                   ThreadPoolExecutor(threads) as pool, AsyncCompileMode(pool)):
                 yield
-    finally:
-        model.model.layers = layers

@@ -7,7 +7,8 @@ another, up to max_num_batched_tokens. Padding tokens write no K/V (slot -1); pa
 no tokens and no keys. Each graph reads its inputs from a flat tensor of its own, at fixed
 addresses: a step laid out by the graph's sizes is uploaded into it in one copy (`upload`). The
 graphs are captured largest first and share one memory pool; their Triton kernels compile
-first, all at once (kernels/compile_ahead.py).
+first, all at once (kernels/compile_ahead.py), and the run before each capture that loads them
+keeps the model's first decoder layer only (the other layers launch the same kernels).
 
 How much of a step a graph holds is the backend's to say (AttentionBackend.cudagraph_support):
 - a whole graph where the attention kernels take their grids from the graph's sizes and read from
@@ -32,7 +33,7 @@ import torch
 
 from nanovllm.attention import AttentionMetadata
 from nanovllm.core.sequence import num_blocks_for
-from nanovllm.kernels.compile_ahead import compile_ahead
+from nanovllm.kernels.compile_ahead import compile_ahead, first_layer_only
 from nanovllm.kernels.prefill import QUERY_TILE, query_tiles
 from nanovllm.kernels.sample import gumbel_max_sample
 from nanovllm.utils.pinned import host_tensor
@@ -99,9 +100,10 @@ class FullGraph:
     """A whole forward pass: `forward(*inputs)`, the model or a decode step's `decode_forward`."""
     eager_attention = False  # it reads its inputs where they were uploaded
 
-    def __init__(self, forward, inputs: tuple, pool):
+    def __init__(self, forward, inputs: tuple, pool, model):
         self.forward = forward
-        forward(*inputs)  # warm up (Triton's compiles, libraries' workspaces) outside the capture
+        with first_layer_only(model):  # warm up outside the capture: kernels loaded, workspaces
+            forward(*inputs)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool):
             self.hidden = forward(*inputs)
@@ -159,8 +161,8 @@ class CUDAGraphs:
                 if whole:
                     forward(*args)
         for kind, size, sizes, inputs, args, whole, ends_in_logits, forward in plans:
-            graph = (FullGraph(forward, args, pool) if whole else
-                     PiecewiseGraph(runner.forward, args, runner.kv_cache.attns, q, out, pool))
+            graph = (FullGraph(forward, args, pool, runner.model) if whole else
+                     PiecewiseGraph(runner, args, q, out, pool))
             graph.sizes, graph.inputs, graph.ends_in_logits = sizes, inputs, ends_in_logits
             self.graphs[kind, size] = graph
             if ends_in_logits:  # its rows drawn by a sampling graph of the same size

@@ -8,24 +8,27 @@ every layer's backend: it ends the piece, notes the layer's cache, and begins th
 """
 import torch
 
+from nanovllm.kernels.compile_ahead import first_layer_only
+
 
 class PiecewiseGraph:
     """A forward pass cut at its attention calls: one graph per piece, attention between them."""
     eager_attention = True  # CUDAGraphs.run hands it the step's metadata
 
-    def __init__(self, forward, inputs: tuple, attns: list, q: torch.Tensor, out: torch.Tensor,
-                 pool):
-        """forward(*inputs): the model runner's forward (the model, or its fused small-batch path);
-        attns: the model's attention layers, whose backend it stands in for while capturing."""
+    def __init__(self, runner, inputs: tuple, q: torch.Tensor, out: torch.Tensor, pool):
+        """runner.forward(*inputs): the model, or its fused small-batch path. It stands in for the
+        backend of each of the model's attention layers while capturing."""
         self.q, self.out, self.pool = q, out, pool
         # layers: (attention layer, its backend) after each graph but the last
         self.graphs, self.layers = [], []
+        attns, forward = runner.kv_cache.attns, runner.forward
         backends = [attn.backend for attn in attns]
         for attn in attns:
             attn.backend = self  # the stand-in that cuts (see forward)
         try:
             self.capturing = False
-            forward(*inputs)  # warm up
+            with first_layer_only(runner.model):  # warm up (kernels/compile_ahead.py)
+                forward(*inputs)
             self.capturing = True
             torch.cuda.synchronize()
             with torch.cuda.stream(torch.cuda.Stream()):
