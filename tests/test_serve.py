@@ -379,3 +379,33 @@ def test_config_tokenizer(random_checkpoint, smollm2_dir):
         .encode("Paris")
     with pytest.raises(TypeError, match="tokenizer"):
         make_llm(path, tokenizer=3)
+
+
+def test_server_start_imports_while_building_and_freezes_the_engine(random_smol, smollm2_dir,
+                                                                     monkeypatch):
+    """By the time the server serves, its app was imported while the engine built (on a thread),
+    and the engine's objects are out of the collector's reach: a full collection would walk them
+    all, a stall of every request in the middle of serving."""
+    import gc
+    import sys
+
+    from nanovllm.serve import cli
+    monkeypatch.delitem(sys.modules, "nanovllm.serve.app", raising=False)
+    seen = {}
+
+    def run(coroutine):  # instead of serving: what holds when the server would start
+        llm = coroutine.cr_frame.f_locals["llm"]
+        coroutine.close()
+        seen["app imported"] = "nanovllm.serve.app" in sys.modules
+        seen["frozen"] = gc.get_freeze_count()
+        model = llm.model_runner.model
+        seen["model collectable"] = any(obj is model for obj in gc.get_objects())
+        return {}
+    monkeypatch.setattr(cli, "event_loop_runner", lambda: run)
+    try:
+        assert cli.main([random_smol, "--tokenizer", smollm2_dir, "--port", "0",
+                         *SMALL_ENGINE]) == 0
+    finally:
+        gc.unfreeze()
+    assert seen == {"app imported": True, "frozen": seen["frozen"], "model collectable": False}
+    assert seen["frozen"] > 10_000

@@ -12,6 +12,7 @@ engines (nanovllm/serve/replicas.py).
 """
 import argparse
 import asyncio
+import contextlib
 import gc
 import inspect
 import ipaddress
@@ -20,6 +21,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import types
 import typing
 from dataclasses import MISSING, fields
@@ -142,12 +144,21 @@ def main(argv: list[str] | None = None) -> int:
               "machine can use the model. Pass --api-key KEY (or set NANOVLLM_API_KEY), or bind "
               "127.0.0.1.", file=sys.stderr, flush=True)
     options = {"log_stats": True, **engine_options(args)}  # /v1/stats counts tokens
+    # the server's own imports (FastAPI, uvicorn: most of a second) run while the engine builds,
+    # which leaves the interpreter free whenever it waits on the GPU
+    server_imports = threading.Thread(target=import_server, daemon=True)
+    server_imports.start()
     if args.data_parallel_size > 1:
         llm = Replicas(args.model, options, args.data_parallel_size, args.routing)
     else:
         from nanovllm import LLM
         llm = LLM(args.model, **options)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    server_imports.join()
+    # the engine's objects (modules, tensors, graphs: some 200,000) live as long as the server:
+    # out of the collector's reach, a full collection no longer walks them all, a 130 ms stall of
+    # every request in the middle of serving (vLLM's freeze_gc_heap; docs/benchmarks.md)
+    gc.freeze()
     try:
         stats = event_loop_runner()(serve(llm, args, api_key, name))
     finally:
@@ -155,6 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"nanovllm: stopped; engine figures: {json.dumps(stats)}", flush=True)
     gc.freeze()  # the interpreter's exit then skips collecting torch's objects: a second saved
     return 0
+
+
+def import_server():
+    """Import what `serve` imports (an import that fails here fails again there, and says why)."""
+    with contextlib.suppress(Exception):
+        import uvicorn  # noqa: F401
+
+        import nanovllm.serve.app  # noqa: F401
 
 
 def event_loop_runner():
