@@ -25,6 +25,7 @@ records a second run up to the window's end). Other modes:
 Run from the repository root.
 """
 import contextlib
+import gc
 import os
 import sys
 import tempfile
@@ -234,6 +235,7 @@ def serving_steps(args):
     vocab = llm.config.hf_config["vocab_size"]
     warm = requests[:16]
     serving.drive(llm, warm, [0.0] * len(warm), vocab, args.seed + 7)
+    gc.freeze()  # the engine's objects out of the collector's reach, as the server has them
     wait, fraction = waits(llm), gpu_busy_fraction(llm)
     first, state = args.window_start, {}
 

@@ -193,16 +193,16 @@ def drive(llm: LLM, requests: list[tuple[int, int]], arrivals: list[float], voca
                            + [kv[k] for k in BREAKDOWN])
         if on_step is not None:
             on_step(steps)
-        for out in (outputs[0] if legacy else outputs):
+        for out in (outputs[0] if legacy else outputs):  # kept: what the records take, no more
             if legacy or out.finished:
-                done[index_of[out["request_id"]]] = (time.monotonic() - start, out)
+                done[index_of[out["request_id"]]] = (time.monotonic() - start, None if legacy else
+                                                     (out.num_cached_tokens, out.metrics))
     wall = time.monotonic() - start
     records = []
     for i, (finished_at, out) in done.items():
-        metrics = None if legacy else out.metrics
+        cached, metrics = out or (None, None)
         records.append(dict(prompt=requests[i][0], output=requests[i][1],
-                            e2e=finished_at - arrived[i], prefix=len(prefix),
-                            cached=None if legacy else out.num_cached_tokens,
+                            e2e=finished_at - arrived[i], prefix=len(prefix), cached=cached,
                             queue=metrics.queue_time if metrics else None,
                             ttft=metrics.time_to_first_token if metrics else None,
                             tpot=metrics.time_per_output_token if metrics else None))
