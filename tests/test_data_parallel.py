@@ -287,3 +287,32 @@ def test_each_replica_sees_its_own_gpus():
     visible = ["0", "1", "2", "3", "4", "5"]
     assert [replica_devices(i, 1, visible) for i in range(3)] == ["0", "1", "2"]
     assert [replica_devices(i, 2, visible) for i in range(3)] == ["0,1", "2,3", "4,5"]
+
+
+def test_a_replica_freezes_its_engine_before_it_serves(random_smol, monkeypatch):
+    """A replica's engine is out of the collector's reach once it reports ready (a full collection
+    would walk all its objects: a stall of every request it holds), as the one-engine server's."""
+    import gc
+    import multiprocessing as mp
+
+    from nanovllm.serve import replicas
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # keep pytest's own handlers
+    commands_out, commands_in = mp.Pipe(duplex=False)
+    results_out, results_in = mp.Pipe(duplex=False)
+    seen = {}
+    serve_commands = replicas.serve_commands
+
+    def serving(llm, commands, results):  # what holds when the replica starts serving
+        model = llm.model_runner.model
+        seen["model collectable"] = any(obj is model for obj in gc.get_objects())
+        serve_commands(llm, commands, results)
+    monkeypatch.setattr(replicas, "serve_commands", serving)
+    commands_in.send(("stop",))
+    try:
+        replicas.run_replica(random_smol, {**ENGINE, "skip_tokenizer_init": True}, commands_out,
+                             results_in, None)
+        seen["frozen"] = gc.get_freeze_count()
+    finally:
+        gc.unfreeze()
+    assert results_out.recv()[0] == "ready"
+    assert seen["model collectable"] is False and seen["frozen"] > 10_000, seen

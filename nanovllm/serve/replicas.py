@@ -29,6 +29,7 @@ an EngineFailure, new requests go to the others. A replica whose server dies see
 close and exits. Replicas ignore SIGINT and SIGTERM: the server stops them when it has drained.
 """
 import asyncio
+import gc
 import itertools
 import logging
 import multiprocessing as mp
@@ -100,6 +101,7 @@ def run_replica(model: str, options: dict, commands, results, num_threads: int |
     except Exception as e:  # noqa: BLE001 (the server reports it and stops)
         results.send(("failed_start", f"{type(e).__name__}: {e}", None, 0))
         return
+    gc.freeze()  # its objects out of the collector's reach while it serves, as cli.py has them
     results.send(("ready", llm.input_processor.num_kvcache_blocks, os.getpid(), 0))
     try:
         serve_commands(llm, commands, results)
