@@ -279,6 +279,8 @@ def serving_steps(args):
              f"requests, prefill_first={args.prefill_first}, steps {first + 1}.."
              f"{first + args.steps}, {torch.cuda.get_device_name()}")
     busy = report(state["prof"], args.steps, wall, host, state["phases"], title)
+    if args.chrome_trace:
+        state["prof"].export_chrome_trace(args.chrome_trace)
     print(f"GPU busy over the same steps, unprofiled (CUDA events): {window:.1%}; the profiled "
           f"kernels' time over the unprofiled steps' GPU time: {busy / (wall * window):.1%}")
     print(f"\nthe whole run: {serving.summary(result)}; GPU busy {whole:.1%} of the time "
