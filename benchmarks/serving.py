@@ -180,8 +180,8 @@ def drive(llm: LLM, requests: list[tuple[int, int]], arrivals: list[float], voca
         running += len(llm.scheduler.running)
         max_running = max(max_running, len(llm.scheduler.running))
         now = time.monotonic() - start
-        if llm.in_flight is not None:  # the step just launched: sequences decoding, prompt tokens
-            batch = llm.in_flight[0]
+        if llm.in_flight:  # the step just launched: sequences decoding, prompt tokens
+            batch = llm.in_flight[-1][0]
             prefill = [n for n in batch.num_new_tokens if n > 1] if legacy is False else (
                 batch.num_new_tokens if batch.is_prefill else [])
             timeline.append((now, len(batch.seqs) - len(prefill), sum(prefill)))
@@ -280,7 +280,8 @@ def make_llm(args, **options) -> LLM:
         return LLM(path, **{**defaults, **options})
     defaults = dict(load_format="dummy", skip_tokenizer_init=True, attn_backend=args.attn_backend,
                     num_kvcache_blocks=args.num_kvcache_blocks or -1,
-                    enforce_eager=args.enforce_eager, log_stats=True)
+                    enforce_eager=args.enforce_eager, log_stats=True,
+                    run_ahead_steps=args.run_ahead_steps)
     return LLM(arch_path(args.arch), **{**defaults, **options})
 
 
@@ -327,6 +328,8 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds between KV samples")
     p.add_argument("--prefill-first", action="store_true", help="vLLM v0's order, not mixed steps")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--run-ahead-steps", type=int, default=2,
+                   help="steps launched ahead of the one read (worker/run_ahead.py)")
     p.add_argument("--tiny", action="store_true", help="a small random model on the CPU")
     p.add_argument("--json", default="", help="write each run's figures, requests, steps, samples")
     return p

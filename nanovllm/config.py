@@ -32,6 +32,9 @@ class Config:
     num_kvcache_blocks: int = rule(-1, lambda v: v >= 1 or v == -1, "an integer >= 1 (or -1: auto)")
     enforce_eager: bool = False          # no CUDA graphs
     async_scheduling: bool | None = None  # run ahead of the GPU (worker/run_ahead.py); None: CUDA
+    # with async_scheduling: steps launched ahead of the one the engine reads
+    run_ahead_steps: int = rule(2, lambda v: 1 <= v <= 8, "an integer in [1, 8]")
+    steps_ahead: int = 0  # filled in: run_ahead_steps with async_scheduling, else 0
     attn_backend: Literal[("", *BACKENDS)] = ""  # "": triton on CUDA (the fastest), sdpa on CPU
     device: Literal["", "cuda", "cpu"] = ""  # "": cuda when present, else cpu
     dtype: Literal[("auto", *DTYPES)] = "auto"  # "auto": the checkpoint's on CUDA, float32 on CPU
@@ -56,7 +59,7 @@ class Config:
     def from_options(cls, model: str, **options) -> "Config":
         """Build a Config, naming any option that does not exist (a TypeError, not a silent
         drop)."""
-        known = {f.name for f in fields(cls)} - {"model", "hf_config", "torch_dtype"}
+        known = {f.name for f in fields(cls)} - {"model", "hf_config", "torch_dtype", "steps_ahead"}
         if unknown := sorted(set(options) - known):
             raise TypeError(f"unknown option(s) {unknown}; allowed options: {sorted(known)}")
         return cls(model, **options)
@@ -69,6 +72,7 @@ class Config:
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if self.async_scheduling is None:  # on CPU a step is done when it returns: nothing to gain
             self.async_scheduling = self.device == "cuda"
+        self.steps_ahead = self.run_ahead_steps if self.async_scheduling else 0
         if not self.attn_backend:
             self.attn_backend = "sdpa" if self.device == "cpu" else "triton"
         checkpoint = self.hf_config.get("torch_dtype") or self.hf_config.get("dtype")

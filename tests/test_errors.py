@@ -107,6 +107,7 @@ def test_unknown_option(llm, france, smollm2_dir):
     (dict(num_kvcache_blocks=0), "num_kvcache_blocks"), (dict(load_format="pt"), "load_format"),
     (dict(attn_backend="paged"), "attn_backend"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size"),
+    (dict(run_ahead_steps=0), "run_ahead_steps"), (dict(run_ahead_steps=9), "run_ahead_steps"),
 ])
 def test_bad_option_values(llm, france, tiny_path, options, name):
     with pytest.raises(ValueError, match=f"^{name}="):

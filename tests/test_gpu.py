@@ -173,8 +173,8 @@ def count_graph_draws(graphs) -> list:
     """Wrap graphs.sample: the list grows by one for each step its sampler graphs draw."""
     draws, sample = [], graphs.sample
 
-    def counted(logits, t):
-        tokens = sample(logits, t)
+    def counted(logits, t, slot):
+        tokens = sample(logits, t, slot)
         if tokens is not None:
             draws.append(len(tokens))
         return tokens

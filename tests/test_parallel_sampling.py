@@ -92,7 +92,7 @@ def test_prompt_blocks_are_shared_and_the_partial_block_copied_on_write(model):
     assert [llm.block_manager.blocks[b].ref_count for b in table] == [4, 4, 4]
     assert free - llm.block_manager.num_free_blocks == 3  # the prompt's blocks, once
     llm.step()  # the first decode step
-    batch, _ = llm.in_flight
+    batch, _ = llm.in_flight[-1]
     # 3 copy, the 4th keeps it
     assert len(batch.copies) == 3 and {src for src, _ in batch.copies} == {table[2]}
     assert [llm.block_manager.blocks[b].ref_count for b in table[:2]] == [4, 4]

@@ -47,7 +47,7 @@ def test_presence_and_frequency_penalties_follow_openai():
 
 
 def test_placeholders_are_filled_from_the_last_step():
-    """The last token may still be on the GPU: its placeholder -(r + 1) takes last_tokens[r]."""
+    """The last token may still be on the GPU: its placeholder -(i + 1) takes sampled[i]."""
     logits = torch.zeros(1, VOCAB)
     # the output's one token: row 1 of the last step
     rows = rows_of([[1, 2, -2]], [2], frequency_penalty=1.0)

@@ -157,7 +157,7 @@ def test_abort_waiting_and_running_requests_frees_their_blocks(tiny_path, tiny):
     assert a not in llm.requests and len(llm.scheduler.waiting) == 2
     for _ in range(3):
         llm.step()
-    assert len(llm.scheduler.running) == 2 and llm.in_flight is not None
+    assert len(llm.scheduler.running) == 2 and llm.in_flight
     assert llm.block_manager.num_free_blocks < len(llm.block_manager.blocks)
     assert llm.abort_request(b) and llm.abort_request(c)  # running, a step of theirs in flight
     assert llm.block_manager.num_free_blocks == len(llm.block_manager.blocks)  # at once
@@ -343,7 +343,7 @@ def test_interrupt_while_reading_a_step_aborts_generates_requests(tiny_path, mon
     with pytest.raises(KeyboardInterrupt):
         llm.generate(random_prompts(4, (10, 40), seed=91), GREEDY, use_tqdm=False)
     assert_empty(llm)
-    assert llm.in_flight is None  # the step launched before the interrupt used the lost tokens
+    assert not llm.in_flight  # the step launched before the interrupt used the lost tokens
     assert llm.generate([short], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
     assert_empty(llm)
 

@@ -4,7 +4,8 @@ On CPU the engine reads each step's tokens as soon as it returns (async_scheduli
 default); on CUDA it launches the next step first (nanovllm/worker/run_ahead.py). Most engine tests
 run the run-ahead path (tests/helpers.py's make_llm); here the plain loop runs the same mixed
 workload (arrivals during decode, chunked prompts, preemption and recomputation, prefix hits, n > 1
-with seeds, log-probabilities, beam search) and must give the same outputs, in fewer steps.
+with seeds, log-probabilities, beam search) and must give the same outputs as run-ahead by one,
+two (the default) and three steps, in fewer steps.
 """
 import pytest
 
@@ -57,14 +58,15 @@ def test_the_plain_loop_gives_the_run_ahead_tokens(tiny_path):
     requests.append((prompts[1], SamplingParams(temperature=0, max_tokens=6, logprobs=2,
                                                 ignore_eos=True)))
     results = {}
-    for mode in (True, False):  # 24 blocks of 16 tokens and a 32-token budget: chunks, preemption
-        llm = make_llm(tiny_path, async_scheduling=mode, num_kvcache_blocks=24,
-                       max_num_batched_tokens=32)
-        results[mode] = run(llm, requests)
+    for ahead in (0, 1, 2, 3):  # 24 blocks of 16 tokens and a 32-token budget: chunks, preemption
+        llm = make_llm(tiny_path, async_scheduling=ahead > 0, run_ahead_steps=max(ahead, 1),
+                       num_kvcache_blocks=24, max_num_batched_tokens=32)
+        results[ahead] = run(llm, requests)
         assert llm.scheduler.num_preemptions > 0
         beams = llm.beam_search([prompts[2]], beam_width=3, max_tokens=6)
-        results[mode] += ([b["token_ids"] for b in beams[0]], [b["score"] for b in beams[0]])
-    same(results[False][0], results[True][0])
-    assert results[False][2] == results[True][2]
-    assert results[False][3] == pytest.approx(results[True][3], abs=1e-4)
-    assert results[False][1] <= results[True][1]  # no step waits for the one before's tokens
+        results[ahead] += ([b["token_ids"] for b in beams[0]], [b["score"] for b in beams[0]])
+    for ahead in (1, 2, 3):
+        same(results[0][0], results[ahead][0])
+        assert results[0][2] == results[ahead][2]
+        assert results[0][3] == pytest.approx(results[ahead][3], abs=1e-4)
+        assert results[0][1] <= results[ahead][1]  # no step waits for the one before's tokens

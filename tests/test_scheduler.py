@@ -17,7 +17,7 @@ def make(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, prefix_cachin
          prefill_first=False):
     config = SimpleNamespace(max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens,
-                             prefill_first=prefill_first)
+                             prefill_first=prefill_first, steps_ahead=0)
     return Scheduler(config, BlockManager(num_blocks, BS, prefix_caching))
 
 

@@ -76,9 +76,9 @@ def abort(engine, request_id) -> bool:
 
 
 def lose(engine, batches: list[ScheduledBatch], outputs: list):
-    """Steps whose tokens will not be read (the one the host waited for, and the one launched
-    after it, which took those tokens on the device): their sequences start over; the outputs so
-    far wait for the next step()."""
+    """Steps whose tokens will not be read (the one the host waited for, and those launched after
+    it, which took those tokens on the device): their sequences start over; the outputs so far wait
+    for the next step()."""
     requeue(engine.scheduler, batches)
-    engine.in_flight = None
+    engine.in_flight.clear()
     engine.held = outputs

@@ -41,6 +41,7 @@ class ScheduledBatch:
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (cpu block, gpu block)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
     copies: list[tuple[int, int]] = field(default_factory=list)    # copy-on-write (src, dst)
+    slot: int = 0  # where its samples go among the model runner's (worker/run_ahead.py)
 
 
 def runnable(seq: Sequence, decodes: bool) -> bool:
@@ -61,6 +62,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.num_launched = 0  # steps the engine launched (worker/run_ahead.py's slots)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or (self.swap and self.swap.swapped))
@@ -135,6 +137,8 @@ class Scheduler:
         """Order the batch (one-token sequences first, longest context first: the attention kernels
         finish with the short ones) and record its progress, with a placeholder for each sampled
         token; the other samples of a new n-sample request fork now, each with its own row."""
+        batch.slot = self.num_launched % (self.config.steps_ahead + 1)  # (run_ahead.py)
+        first = batch.slot * self.config.max_num_seqs  # its first sample's index there
         pairs = list(zip(batch.seqs, batch.num_new_tokens))
         decodes = sorted((s for s, n in pairs if n == 1), key=len, reverse=True)
         batch.seqs = decodes + [s for s, n in pairs if n > 1]
@@ -152,7 +156,7 @@ class Scheduler:
                 row = len(batch.sampled)
                 batch.sampled.append((sample, row, position))
                 if not sample.beam_width:  # a beam gets candidates instead
-                    sample.token_ids.append(placeholder(row))
+                    sample.token_ids.append(placeholder(first + row))
             batch.num_samples.append(len(samples))
 
     def preempt(self, group: list[Sequence], batch: ScheduledBatch):
@@ -175,14 +179,14 @@ class Scheduler:
         new_tokens, finished = [], []
         for seq, row, position in batch.sampled:
             if seq.is_finished:
-                continue  # it ended at the step before, while this one ran
+                continue  # it ended at a step before, while this one ran
             if seq.beam_width:
                 seq.candidates = logprobs[row]
                 continue
             seq.set_token(position, token_ids[row], logprobs[row] if logprobs else None)
             new_tokens.append((seq, position))
             if is_finished(seq, position):
-                del seq.token_ids[position + 1:]  # the placeholder of the step launched after it
+                del seq.token_ids[position + 1:]  # the placeholders of the steps launched after it
                 finished.append(seq)
         for seq in batch.seqs:
             if seq.status == SequenceStatus.RUNNING:  # not preempted meanwhile

@@ -3,9 +3,9 @@ map of PagedAttention, the vLLM paper's section 4.2).
 
 A request with several outputs (parallel samples, or the beams of a beam search) is a *group* of
 sequences that share KV blocks (nanovllm/core/sharing.py). A token that a step samples stands in
-`token_ids` as a placeholder until the engine reads the step's tokens: `placeholder(row)` for row
-`row` of the step's samples (with async_scheduling the next step is launched meanwhile and fills
-them on the device: nanovllm/worker/run_ahead.py).
+`token_ids` as a placeholder until the engine reads the step's tokens: `placeholder(i)` for its
+index i among the model runner's sampled tokens (with async_scheduling the next steps are launched
+meanwhile and fill them on the device: nanovllm/worker/run_ahead.py).
 """
 from enum import Enum, auto
 from itertools import count
@@ -20,9 +20,9 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
-def placeholder(row: int) -> int:
-    """What stands for the token sampled at row `row` of a step not read yet."""
-    return -(row + 1)
+def placeholder(i: int) -> int:
+    """What stands for the token at index i of the sampled tokens of the steps not read yet."""
+    return -(i + 1)
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:

@@ -4,7 +4,8 @@ batching.
 A step schedules a batch (nanovllm/core/scheduler.py), launches it on the model runner, reads its
 sampled tokens and hands them to the scheduler, which ends the sequences the output processor says
 are done. With async_scheduling (vLLM's name, the default on CUDA) it reads the tokens of the step
-launched before instead, while this one runs (run-ahead: nanovllm/worker/run_ahead.py). Requests
+launched run_ahead_steps before instead, while the later ones run (run-ahead:
+nanovllm/worker/run_ahead.py). Requests
 come in through the input processor and leave through the output processor as RequestOutputs. With
 tensor_parallel_size > 1 the engine also starts one worker process per extra rank; `shutdown()` (or
 leaving a `with LLM(...)` block, or the engine being collected, or the program's exit) stops them.
@@ -12,6 +13,7 @@ Started by torchrun, the engine is rank 0 and torchrun's other ranks are its wor
 `start_workers` runs rank 0's steps and then exits the process (nanovllm/worker/torchrun.py).
 """
 import gc
+from collections import deque
 from contextlib import AbstractContextManager
 
 from nanovllm.config import Config
@@ -52,7 +54,7 @@ class LLMEngine(AbstractContextManager):
         self.output_processor = OutputProcessor(config, self.tokenizer)
         self.model_runner.eos_token_ids = self.output_processor.eos_token_ids
         self.requests: dict[int | str, Sequence] = {}  # request id -> root sequence, until it ends
-        self.in_flight = None  # (batch, tokens) launched and not read yet (worker/run_ahead.py)
+        self.in_flight = deque()  # (batch, tokens) launched and not read yet, oldest first
         self.held: list[RequestOutput] = []  # outputs a caller's generate() did not ask for
         # what sees each request queued, step launched and step read: with log_stats, the request
         # timings and token counts (engine/metrics.py); an open Trace (nanovllm/trace.py)
@@ -69,7 +71,7 @@ class LLMEngine(AbstractContextManager):
         if self.model_runner is not None:  # free the pools now, even if the model outlives us
             self.model_runner.graphs = None
             self.model_runner.kv_cache.allocate(0)
-        self.model_runner = self.in_flight = None
+        self.model_runner, self.in_flight = None, deque()
         gc.collect()  # the model's modules hold reference cycles: free their memory now
 
     def __exit__(self, *exc):  # (contextlib's __enter__ returns the engine)
@@ -111,27 +113,23 @@ class LLMEngine(AbstractContextManager):
         so far, or only the new ones with output_kind="delta", or only at its end with "final")."""
         self.check_open()
         launched = self.launch()
+        ahead = len(self.in_flight) - 1  # nothing launched: read the oldest step
         if launched:
-            launched = launched[0], SampledTokens(*launched[1])
-        previous, self.in_flight = self.in_flight, launched
+            ahead = 0 if needs_tokens(launched) else self.config.steps_ahead
         outputs, self.held = self.held, []
-        pending = [step for step in (previous, launched) if step]  # lost if a read is interrupted
         try:
-            if previous:
-                outputs += self.read_step(*previous)
-                pending.pop(0)
-            if launched and (not self.config.async_scheduling or read_now(launched[0])):
-                self.in_flight = None
-                outputs += self.read_step(*launched)
+            while self.in_flight and (len(self.in_flight) > ahead or ended(self.in_flight[0][0])):
+                outputs += self.read_step(*self.in_flight[0])
+                self.in_flight.popleft()
         except BaseException:  # interrupted while waiting: those tokens are lost (requeue.py)
             from nanovllm.core.requeue import lose
-            lose(self, [batch for batch, _ in pending], outputs)
+            lose(self, [batch for batch, _ in self.in_flight], outputs)
             raise
         return outputs
 
-    def launch(self) -> tuple[ScheduledBatch, tuple] | None:
-        """Schedule a step and launch it on the model runner, without waiting for the GPU: the batch
-        and its (sampled token ids, log-probabilities), or None if there is nothing to run. A step
+    def launch(self) -> ScheduledBatch | None:
+        """Schedule a step and launch it on the model runner, without waiting for the GPU (into
+        in_flight, with its sampled tokens); the batch, or None if there is nothing to run. A step
         that fails to launch is undone: its sequences start over (requeue.py)."""
         batch = self.scheduler.schedule() if self.scheduler.has_unfinished() else None
         if batch is None or not (batch.seqs or batch.swap_in or batch.swap_out):
@@ -142,9 +140,11 @@ class LLMEngine(AbstractContextManager):
             from nanovllm.core.requeue import requeue
             requeue(self.scheduler, [batch])
             raise
+        self.scheduler.num_launched += 1  # the next step's samples take the next slot
+        self.in_flight.append((batch, SampledTokens(*sampled)))
         for observer in self.observers:  # a launched step (one that failed is not recorded)
             observer.launched(batch)
-        return batch, sampled
+        return batch
 
     def read_step(self, batch: ScheduledBatch, sampled: SampledTokens) -> list[RequestOutput]:
         """Wait for a launched step's sampled tokens and record them; the requests' outputs."""
@@ -159,7 +159,7 @@ class LLMEngine(AbstractContextManager):
         return outputs
 
     def is_finished(self) -> bool:
-        return not self.scheduler.has_unfinished() and self.in_flight is None and not self.held
+        return not self.scheduler.has_unfinished() and not self.in_flight and not self.held
 
     def get_stats(self) -> dict:
         """Requests running, waiting and swapped out; KV blocks used and in all; preemptions; with
@@ -169,8 +169,13 @@ class LLMEngine(AbstractContextManager):
         return engine_stats(self)
 
 
-def read_now(batch: ScheduledBatch) -> bool:
-    """Whether a step's tokens are needed now (beam candidates, log-probabilities) or by nobody
-    (all its sequences ended at the step before): no step will take them on the device."""
-    return all(seq.is_finished for seq, _, _ in batch.sampled) or any(
-        seq.beam_width or seq.params.logprobs is not None for seq in batch.seqs)
+def needs_tokens(batch: ScheduledBatch) -> bool:
+    """Whether the host needs a step's tokens now (beam candidates, log-probabilities): no step
+    will take them on the device."""
+    return any(seq.beam_width or seq.params.logprobs is not None for seq in batch.seqs)
+
+
+def ended(batch: ScheduledBatch) -> bool:
+    """Whether nobody waits for a step's tokens: all its samples' sequences ended at a step before
+    (read at once, the engine then holds nothing for them)."""
+    return bool(batch.sampled) and all(seq.is_finished for seq, _, _ in batch.sampled)

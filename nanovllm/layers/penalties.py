@@ -7,9 +7,9 @@
 - min_tokens: while the output is shorter, end-of-sequence and stop tokens cannot be drawn.
 
 They apply to the logits before sampling (temperature, truncation); log-probabilities are still
-those of the model. A request's last token may still be on the GPU (run-ahead: its placeholder is
-filled on the device, as the model runner fills its inputs). The model runner calls `apply` only for
-batches where some request uses one of these.
+those of the model. A request's last tokens may still be on the GPU (run-ahead: their placeholders
+are filled on the device, as the model runner fills its inputs). The model runner calls `apply`
+only for batches where some request uses one of these.
 """
 import torch
 
@@ -17,16 +17,16 @@ from nanovllm.worker.run_ahead import fill_placeholders
 
 
 def apply(logits: torch.Tensor, rows: list, positions: list[int], eos_token_ids: set[int],
-          last_tokens: torch.Tensor) -> torch.Tensor:
+          sampled: torch.Tensor) -> torch.Tensor:
     """logits [R, V] of sampled rows (sequence, sample index), each sampling the token at
-    positions[i]."""
+    positions[i]; `sampled`, the tokens of the steps not read yet (worker/run_ahead.py)."""
     num_rows, vocab = logits.shape
     device = logits.device
     width = max(positions)
     # padded with id V
     history = [seq.token_ids[:p] + [vocab] * (width - p) for (seq, _), p in zip(rows, positions)]
     ids = torch.tensor(history, dtype=torch.int64, device=device)  # [R, width]
-    fill_placeholders(ids, last_tokens)
+    fill_placeholders(ids, sampled)
     prompt_lens = torch.tensor([seq.num_prompt_tokens for seq, _ in rows], device=device)
     output = (torch.arange(width, device=device) >= prompt_lens[:, None]) & (ids < vocab)
     counts = torch.zeros(num_rows, vocab + 1, device=device)

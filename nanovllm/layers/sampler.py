@@ -56,11 +56,11 @@ def sample_batch(logits: torch.Tensor, batch, runner) -> tuple[torch.Tensor, lis
     if any(seq.params.penalized for seq, _ in rows):
         from nanovllm.layers import penalties
         positions = [p for _, _, p in batch.sampled]
-        scores = penalties.apply(logits, rows, positions, runner.eos_token_ids, runner.last_tokens)
+        scores = penalties.apply(logits, rows, positions, runner.eos_token_ids, runner.sampled)
     vocab_size = runner.config.hf_config["vocab_size"]
     t = SamplingTensors.of(rows, vocab_size, logits.device)
     # a decode step's logits from its CUDA graph: sampled by a graph too (worker/cuda_graphs.py)
-    token_ids = runner.graphs.sample(scores, t) if runner.graphs is not None else None
+    token_ids = runner.graphs.sample(scores, t, batch.slot) if runner.graphs is not None else None
     if token_ids is None:
         token_ids = sample(scores, t, runner.one_pass_sample)
     top = None

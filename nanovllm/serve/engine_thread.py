@@ -161,7 +161,8 @@ class EngineThread:
                   if rid in self.queues]
         for request_id in list(self.llm.requests):
             self.llm.abort_request(request_id)
-        self.llm.in_flight, self.llm.held = None, []  # what the failed step launched is dropped
+        self.llm.in_flight.clear()  # what the failed step launched is dropped
+        self.llm.held = []
         self.loop.call_soon_threadsafe(deliver, failed)
 
 

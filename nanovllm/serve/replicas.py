@@ -132,7 +132,8 @@ def serve_commands(llm, commands, results):
             failed = list(llm.requests)
             for request_id in failed:
                 llm.abort_request(request_id)
-            llm.in_flight, llm.held = None, []
+            llm.in_flight.clear()
+            llm.held = []
             send("failed", failed, f"the engine failed: {type(e).__name__}: {e}")
             continue
         if outputs:

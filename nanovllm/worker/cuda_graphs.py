@@ -20,11 +20,11 @@ How much of a step a graph holds is the backend's to say (AttentionBackend.cudag
 
 A whole decode graph also holds what comes before and after the forward, which eagerly cost the
 host more than the forward's replay: it fills the placeholders of its token ids from the tokens the
-last step sampled (run_ahead.py), and it ends with the logits of every row, written into one buffer
+last steps sampled (run_ahead.py), and it ends with the logits of every row, written into one buffer
 that all decode graphs share. A decode step whose rows all sample plainly (temperature or greedy:
 no seeds, truncation, penalties or log-probabilities) draws its tokens with a captured
-gumbel_max_sample of its size (`sample`, kernels/sample.py), into the buffer the next step's graph
-fills its placeholders from.
+gumbel_max_sample of its size (`sample`, kernels/sample.py), one for each slot of the model
+runner's sampled tokens, where the next steps' graphs fill their placeholders from.
 """
 import time
 from itertools import accumulate
@@ -141,7 +141,6 @@ class CUDAGraphs:
             self.logits = torch.empty(largest_batch, head.weight.shape[0], dtype=config.torch_dtype,
                                       device=runner.device)
             self.temperatures = torch.zeros(largest_batch, device=runner.device)
-            self.tokens = torch.zeros(max_seqs, dtype=torch.int64, device=runner.device)
         shapes = ([("mixed", t) for t in self.token_sizes]
                   + [("decode", s) for s in self.decode_sizes])
         max_blocks = num_blocks_for(config.max_model_len, config.kvcache_block_size)  # per table
@@ -165,8 +164,9 @@ class CUDAGraphs:
                      PiecewiseGraph(runner, args, q, out, pool))
             graph.sizes, graph.inputs, graph.ends_in_logits = sizes, inputs, ends_in_logits
             self.graphs[kind, size] = graph
-            if ends_in_logits:  # its rows drawn by a sampling graph of the same size
-                self.samplers[size] = self.capture_sampler(size)
+            if ends_in_logits:  # its rows drawn by sampling graphs of the same size, one a slot
+                self.samplers[size] = [self.capture_sampler(size, slot)
+                                       for slot in runner.sampled]
         if runner.backend.cascade is not None:  # the decode graphs' twins: attention/cascade.py
             runner.backend.cascade.capture_twins(runner, self)
         self.capture_seconds = time.perf_counter() - start  # what they cost: bench.py prints it
@@ -177,10 +177,10 @@ class CUDAGraphs:
                 runner.tp.graphs.append(runner.backend.cascade.twins)
 
     def decode_forward(self, runner):
-        """A decode step as its graph holds it: placeholders filled from the last step's tokens, the
-        forward, then the logits of every row (one GEMM, into the shared buffer)."""
+        """A decode step as its graph holds it: placeholders filled from the last steps' tokens,
+        the forward, then the logits of every row (one GEMM, into the shared buffer)."""
         def forward(input_ids, positions, meta):
-            fill_placeholders(input_ids, self.tokens)
+            fill_placeholders(input_ids, runner.sampled)
             hidden = runner.forward(input_ids, positions, meta)
             head = runner.model.lm_head.weight
             return torch.mm(hidden, head.t(), out=self.logits[:len(input_ids)])
@@ -207,10 +207,7 @@ class CUDAGraphs:
         logits of the rows that sample (None on tensor-parallel ranks other than 0)."""
         graph = self.find(step)
         flat = upload(step, graph.sizes, graph.inputs)
-        if graph.ends_in_logits:  # it fills placeholders from self.tokens: the last step's go there
-            if runner.last_tokens.data_ptr() != self.tokens.data_ptr():  # (`sample` puts them)
-                self.tokens[:len(runner.last_tokens)].copy_(runner.last_tokens)
-        elif min(step.input_ids) < 0:  # the token ids lead the upload
+        if not graph.ends_in_logits and min(step.input_ids) < 0:  # the token ids lead the upload
             runner.fill_placeholders(flat[:len(step.input_ids)])
         meta = None  # the eager attention between a piecewise graph's pieces takes views of them
         if graph.eager_attention:
@@ -226,23 +223,26 @@ class CUDAGraphs:
         self.sampleable = hidden[:len(rows)]  # one row each: `sample` may draw them in a graph
         return self.sampleable
 
-    def sample(self, logits: torch.Tensor, t) -> torch.Tensor | None:
+    def sample(self, logits: torch.Tensor, t, slot: int = 0) -> torch.Tensor | None:
         """The next tokens of a decode graph's logits (all its rows, as `run` returned them), if
         sampled plainly (SamplingTensors `t`, layers/sampler.py: temperature or greedy): drawn by a
-        captured gumbel_max_sample of the graph's size into self.tokens. Else None."""
+        captured gumbel_max_sample of the graph's size into the slot of the model runner's sampled
+        tokens. Else None."""
         if logits is not self.sampleable or not t.one_pass:
             return None
         n = len(logits)
         size = next(s for s in self.decode_sizes if s >= n)
         self.temperatures[:n].copy_(t.temperatures)
-        self.samplers[size].replay()
-        return self.tokens[:n]
+        graph, out = self.samplers[size][slot]
+        graph.replay()
+        return out[:n]
 
-    def capture_sampler(self, size: int) -> torch.cuda.CUDAGraph:
-        """gumbel_max_sample of `size` rows of the shared logits, into self.tokens."""
-        args = self.logits[:size], self.temperatures[:size]
-        gumbel_max_sample(*args, out=self.tokens[:size])  # warm up: compile outside the capture
+    def capture_sampler(self, size: int, tokens: torch.Tensor) -> tuple:
+        """gumbel_max_sample of `size` rows of the shared logits, into `tokens`: the graph and its
+        output."""
+        args, out = (self.logits[:size], self.temperatures[:size]), tokens[:size]
+        gumbel_max_sample(*args, out=out)  # warm up: compile outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, self.pool):
-            gumbel_max_sample(*args, out=self.tokens[:size])
-        return graph
+            gumbel_max_sample(*args, out=out)
+        return graph, out

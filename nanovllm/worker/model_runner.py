@@ -53,7 +53,9 @@ class ModelRunner:
             init_dummy(self.model, config.seed)
         else:
             load_model(self.model, config.model)
-        self.last_tokens = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # the sampled tokens of the steps not read yet, a slot each (worker/run_ahead.py)
+        self.sampled = torch.zeros(config.steps_ahead + 1, config.max_num_seqs,
+                                   dtype=torch.int64, device=self.device)
         self.eos_token_ids: set[int] = set()  # the engine's, for min_tokens
         self.swap_space = self.graphs = None
         self.kv_cache = KVCache(self.model, config, self.device)
@@ -109,21 +111,24 @@ class ModelRunner:
         return step_inputs(batch, self.config.kvcache_block_size)
 
     def fill_placeholders(self, input_ids: torch.Tensor):
-        """Put the tokens the last step sampled in place of their placeholders (run_ahead.py)."""
-        fill_placeholders(input_ids, self.last_tokens)
+        """Put the tokens the last steps sampled in place of their placeholders (run_ahead.py)."""
+        fill_placeholders(input_ids, self.sampled)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list | None]:
         """Launch one step of the batch and its sampling, without waiting for the GPU: the next
         token of each sample row (a row per sampling sequence, n rows for the prompt of a new
-        n-sample request) and, when asked, their log-probabilities (which do wait)."""
+        n-sample request) and, when asked, their log-probabilities (which do wait). They go into
+        the batch's slot of `sampled`, where the steps after it fill their placeholders from."""
         logits = self.execute(self.step_inputs(batch))
-        if not batch.seqs:  # only block moves: nothing sampled, the last step's tokens stay
+        if not batch.seqs:  # only block moves: nothing sampled
             return torch.empty(0, dtype=torch.int64), None
+        slot = self.sampled[batch.slot, :len(batch.sampled)]
         params = [seq.params for seq in batch.seqs]
         if all(p.greedy and not p.penalized and p.logprobs is None for p in params):
-            token_ids, top = logits.argmax(-1), None
-        else:  # penalties, temperature, seeds, truncation, log-probabilities: layers/sampler.py
-            token_ids, top = sample_batch(logits, batch, self)
-        self.last_tokens = token_ids
-        return token_ids, top
+            return torch.argmax(logits, -1, out=slot), None
+        # penalties, temperature, seeds, truncation, log-probabilities: layers/sampler.py
+        token_ids, top = sample_batch(logits, batch, self)
+        if token_ids.data_ptr() != slot.data_ptr():  # (a sampler graph draws into the slot)
+            slot.copy_(token_ids)
+        return slot, top

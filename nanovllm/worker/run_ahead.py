@@ -1,23 +1,26 @@
 """Run-ahead (vLLM's async scheduling, `async_scheduling=True`, the default on CUDA): the engine
-launches step t+1 before it reads step t's tokens, so the GPU does not wait while the host
-schedules.
+launches step t + k before it reads the tokens of step t (k = run_ahead_steps, 2 by default), so
+the GPU does not wait while the host schedules, and a host late now and then by less than k steps'
+slack costs the GPU nothing.
 
-A token that step t samples is unknown on the host when step t+1 is scheduled. It stands in its
-sequence as a placeholder, -(r + 1) for row r of step t's samples (`placeholder` in
-nanovllm/core/sequence.py). Step t+1's inputs may hold placeholders: the model runner fills them
-on the device from the tokens step t left there (`fill_placeholders`). When the engine reads step
-t's tokens (`SampledTokens`), the scheduler puts them in place of the placeholders. A sequence that
-ended at step t has wasted one token of step t+1. Steps whose tokens the host needs at once (beam
-candidates, log-probabilities) are read at once (LLMEngine.step).
+A token that a step samples is unknown on the host until the engine reads the step. It stands in
+its sequence as a placeholder: -(i + 1) for index i of the model runner's `sampled` tokens, flat
+([k + 1, max_num_seqs], a slot a row; `placeholder` in nanovllm/core/sequence.py). The t-th step
+launched writes its samples into slot t mod (k + 1), at row r the r-th of its samples (index i =
+slot * max_num_seqs + r): never a slot that a step not read yet holds, as at most k are. The
+inputs of the steps after it may hold its placeholders: the model runner fills them on the device
+(`fill_placeholders`). When the engine reads a step's tokens (`SampledTokens`), the scheduler puts
+them in place of the placeholders. A sequence that ended at a step has wasted a token of each step
+launched after it. Steps whose tokens the host needs at once (beam candidates, log-probabilities)
+are read at once (LLMEngine.step).
 """
 import torch
 
 
-def fill_placeholders(input_ids: torch.Tensor, last_tokens: torch.Tensor):
-    """Replace (in place) each placeholder in input_ids by the token the last step sampled at its
-    row."""
+def fill_placeholders(input_ids: torch.Tensor, sampled: torch.Tensor):
+    """Replace (in place) each placeholder in input_ids by its token in `sampled` (flattened)."""
     rows = (-1 - input_ids).clamp(min=0)
-    torch.where(input_ids < 0, last_tokens[rows].to(input_ids.dtype), input_ids, out=input_ids)
+    torch.where(input_ids < 0, sampled.view(-1)[rows].to(input_ids.dtype), input_ids, out=input_ids)
 
 
 class SampledTokens:
@@ -25,10 +28,13 @@ class SampledTokens:
     log-probabilities)."""
 
     def __init__(self, token_ids: torch.Tensor, logprobs: list | None):
-        self.host, self.ready, self.logprobs = token_ids, None, logprobs
-        if token_ids.is_cuda:  # a pinned copy, filled once the step reaches `ready`
-            self.host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-            self.host.copy_(token_ids, non_blocking=True)
+        """A copy of token_ids (their slot takes a later step's): from the GPU a pinned one, filled
+        once the step reaches `ready`."""
+        self.ready, self.logprobs = None, logprobs
+        self.host = torch.empty(token_ids.shape, dtype=token_ids.dtype,
+                                pin_memory=token_ids.is_cuda)
+        self.host.copy_(token_ids, non_blocking=True)
+        if token_ids.is_cuda:
             self.ready = torch.cuda.Event()
             self.ready.record()
 
