@@ -2,6 +2,7 @@
 on write, and every sample's KV stays its own (checked through its log-probabilities against
 transformers)."""
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -202,3 +203,27 @@ def test_a_group_that_does_not_fit_takes_no_block_and_evicts_no_cached_prefix():
     assert not root.block_table and not sibling.block_table
     again = computed(bm, list(range(8)) + [9])
     assert again.num_cached_tokens == 8  # the prefix still hits
+
+
+def test_a_step_samples_at_most_max_num_seqs_rows(tmp_path):
+    """A 3-sample request whose prompt runs in chunks forks at its prompt's end, in the step that
+    admits three short requests with the budget its last chunk leaves: the step must still sample
+    at most max_num_seqs rows (the run-ahead's slots and the decode graphs hold that many).
+    Before: 6 rows of 4, a RuntimeError where the samples went into their slot."""
+    path = str(tmp_path)
+    build_tiny_llama(path)
+    llm = make_llm(path, max_num_seqs=4, max_num_batched_tokens=16)
+    rows, record = [], llm.scheduler._record
+
+    def recorded(batch):
+        record(batch)
+        rows.append(len(batch.sampled))
+    llm.scheduler._record = recorded
+    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=6, ignore_eos=True)
+    ids = [llm.add_request(prompts(1, (50, 50), seed=4)[0], params)]  # chunks of 16, 16, 16, 2
+    ids += [llm.add_request(p, replace(params, n=1)) for p in prompts(3, (3, 4), seed=5)]
+    outputs = {}
+    while not llm.is_finished():
+        outputs.update({out.request_id: out for out in llm.step() if out.finished})
+    assert sorted(outputs) == sorted(ids) and len(outputs[ids[0]].outputs) == 3
+    assert max(rows) == 4

@@ -9,9 +9,11 @@ they share its steps. With prefill_first=True (vLLM v0's order) a step that can 
 prefills, and decodes wait.
 
 The sequences of one request (parallel samples, the beams of a beam search) form a group, admitted
-and preempted as a whole. When a running group finds no free block, the newest running group is
-preempted: its blocks are freed and it goes back to the front of the waiting queue, to be recomputed
-(its prefix may still be in the cache), or with preemption_mode="swap" its blocks move to a CPU pool
+and preempted as a whole; max_num_seqs bounds both the sequences admitted (a group counts its n
+samples or beams from the start) and a step's sample rows (a group may fork after others came in).
+When a running group finds no free block, the newest running group is preempted: its blocks are
+freed and it goes back to the front of the waiting queue, to be recomputed (its prefix may still be
+in the cache), or with preemption_mode="swap" its blocks move to a CPU pool
 (nanovllm/core/swap.py). The block copies a step needs travel in its batch to the model runner.
 
 `schedule` records each step's progress at once, with a placeholder for every token it samples (with
@@ -71,6 +73,7 @@ class Scheduler:
         """The next step's sequences, with their progress recorded."""
         batch = ScheduledBatch()
         self.budget = self.config.max_num_batched_tokens
+        self.rows = self.config.max_num_seqs  # sample rows left (forks may outgrow admission's)
         if self.swap is not None:
             self.swap.swap_in(self, batch)
         self._schedule_running(batch, decodes=not self.config.prefill_first)
@@ -83,6 +86,7 @@ class Scheduler:
     def _add(self, batch: ScheduledBatch, seq: Sequence):
         n = min(len(seq.token_ids) - seq.num_computed_tokens, self.budget)
         self.budget -= n
+        self.rows -= seq.params.n if len(seq.group) == 1 else 1  # n: its samples fork at the end
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
         self.block_manager.cache_computed_blocks(seq, seq.num_computed_tokens + n)
@@ -100,7 +104,8 @@ class Scheduler:
             group = groups.popleft()
             kept.append(group)
             seqs = [s for s in group if runnable(s, decodes)]
-            if not seqs or self.budget < len(seqs):
+            rows = len(seqs) if len(group[0].group) > 1 else group[0].params.n
+            if not seqs or self.budget < len(seqs) or self.rows < rows:
                 continue
             while not fits and blocks.num_blocks_to_append(seqs) > blocks.num_free_blocks:
                 victim = groups.pop() if groups else kept.pop()
@@ -119,7 +124,7 @@ class Scheduler:
         while self.waiting and self.budget > 0 and not (self.swap and self.swap.swapped):
             seq = self.waiting[0]
             width = max(seq.params.n, seq.beam_width) if len(seq.group) == 1 else 1  # forks later
-            if (len(self.running) + width > self.config.max_num_seqs
+            if (len(self.running) + width > self.config.max_num_seqs or width > self.rows
                     or not seq.block_table and not self.allocate(seq)):
                 break  # no room for its sequences, or no blocks for its tokens
             self.waiting.popleft()
