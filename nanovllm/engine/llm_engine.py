@@ -5,12 +5,12 @@ A step schedules a batch (nanovllm/core/scheduler.py), launches it on the model 
 sampled tokens and hands them to the scheduler, which ends the sequences the output processor says
 are done. With async_scheduling (vLLM's name, the default on CUDA) it reads the tokens of the step
 launched run_ahead_steps before instead, while the later ones run (run-ahead:
-nanovllm/worker/run_ahead.py). Requests
-come in through the input processor and leave through the output processor as RequestOutputs. With
-tensor_parallel_size > 1 the engine also starts one worker process per extra rank; `shutdown()` (or
-leaving a `with LLM(...)` block, or the engine being collected, or the program's exit) stops them.
-Started by torchrun, the engine is rank 0 and torchrun's other ranks are its workers: on them,
-`start_workers` runs rank 0's steps and then exits the process (nanovllm/worker/torchrun.py).
+nanovllm/worker/run_ahead.py). Requests come in through the input processor and leave through the
+output processor as RequestOutputs. With tensor_parallel_size > 1 the engine also starts one
+worker process per extra rank; `shutdown()` (or leaving a `with LLM(...)` block, or the engine
+being collected, or the program's exit) stops them. Started by torchrun, the engine is rank 0 and
+torchrun's other ranks are its workers: on them, `start_workers` runs rank 0's steps and then exits
+the process (nanovllm/worker/torchrun.py).
 """
 import gc
 from collections import deque
