@@ -117,7 +117,7 @@ def setup(args, tiny_setup: dict) -> dict:
     for key, value in chosen.items():
         if getattr(args, key, None) in (None, 0, ""):
             setattr(args, key, value)
-    args.prefill_first, args.enforce_eager = False, False
+    args.prefill_first, args.enforce_eager, args.run_ahead_steps = False, False, None
     return dict(block_size=args.block_size, max_model_len=args.max_model_len,
                 num_kvcache_blocks=args.num_kvcache_blocks, arch="tiny" if args.tiny else args.arch,
                 attn_backend="sdpa" if args.tiny else args.attn_backend,

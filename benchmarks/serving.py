@@ -267,6 +267,8 @@ def summary(result: dict) -> str:
 def make_llm(args, **options) -> LLM:
     """Qwen3-0.6B's shape (--arch) with random weights, or with --tiny a small random model on the
     CPU; `options` override the defaults."""
+    if args.run_ahead_steps:  # else the engine's
+        options = {"run_ahead_steps": args.run_ahead_steps, **options}
     if args.tiny:
         import torch
         from tests.helpers import build_random_checkpoint
@@ -280,8 +282,7 @@ def make_llm(args, **options) -> LLM:
         return LLM(path, **{**defaults, **options})
     defaults = dict(load_format="dummy", skip_tokenizer_init=True, attn_backend=args.attn_backend,
                     num_kvcache_blocks=args.num_kvcache_blocks or -1,
-                    enforce_eager=args.enforce_eager, log_stats=True,
-                    run_ahead_steps=args.run_ahead_steps)
+                    enforce_eager=args.enforce_eager, log_stats=True)
     return LLM(arch_path(args.arch), **{**defaults, **options})
 
 
@@ -328,8 +329,8 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds between KV samples")
     p.add_argument("--prefill-first", action="store_true", help="vLLM v0's order, not mixed steps")
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--run-ahead-steps", type=int, default=2,
-                   help="steps launched ahead of the one read (worker/run_ahead.py)")
+    p.add_argument("--run-ahead-steps", type=int, default=None,
+                   help="steps launched ahead of the one read (default: the engine's)")
     p.add_argument("--tiny", action="store_true", help="a small random model on the CPU")
     p.add_argument("--json", default="", help="write each run's figures, requests, steps, samples")
     return p
