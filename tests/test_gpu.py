@@ -87,9 +87,10 @@ def test_teacher_forced_logits_bf16(qwen3_dir, workload, references, backend, mo
 
 
 @pytest.mark.parametrize("backend", ["triton", "sdpa"])
-def test_greedy_float32_matches_transformers(qwen3_dir, workload, backend):
+@pytest.mark.parametrize("batch", [4, 1])  # 1: decode steps of one row, kernels/pdl.py's
+def test_greedy_float32_matches_transformers(qwen3_dir, workload, backend, batch):
     from transformers import AutoModelForCausalLM
-    prompts = [s[:p] for s, p in zip(*workload)][:4]
+    prompts = [s[:p] for s, p in zip(*workload)][:batch]
     model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).cuda()
     expected = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=16,
                                do_sample=False)[0, len(p):].tolist()

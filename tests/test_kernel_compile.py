@@ -4,7 +4,8 @@ The kernels' other tests run them in Triton's interpreter, which executes their 
 only the compiler finds (a variable that changes type across a branch taken at run time, a value
 where a constant is wanted) would first show on a GPU. Here a child process, without
 TRITON_INTERPRET, calls each kernel's launcher on CPU tensors with Triton's launch replaced by a
-compile for sm_90 (to PTX and a cubin, by the ptxas that Triton ships).
+compile for sm_90 (to PTX and a cubin, by the ptxas that Triton ships), with programmatic dependent
+launch on as on Hopper (kernels/pdl.py).
 """
 import os
 import subprocess
@@ -46,6 +47,10 @@ def compile_for_hopper(self, *args, grid, warmup=False, **kwargs):
 
 
 JITFunction.run = compile_for_hopper
+import nanovllm.kernels.pdl  # noqa: E402
+
+nanovllm.kernels.pdl.use_pdl = lambda device: True  # as on Hopper: launched with PDL, at any
+nanovllm.kernels.pdl.PDL_MAX_ROWS = 1 << 30  # size
 
 from nanovllm.kernels import decode_attention, prefill_attention, rope_store  # noqa: E402
 from nanovllm.kernels.cascade import cascade_attention, members_per_tile  # noqa: E402
@@ -58,8 +63,7 @@ x = torch.zeros(4, 256, dtype=bf16)
 add_rms_norm(x, x, torch.ones(256, dtype=bf16), 1e-6)
 add_rms_norm(x, None, torch.ones(256, dtype=bf16), 1e-6)
 silu_and_mul(torch.zeros(4, 512, dtype=bf16))
-gemv(x[:2], torch.zeros(64, 256, dtype=bf16), None, NORM, x[:2], torch.ones(256, dtype=bf16), 1e-6,
-     pdl=True)
+gemv(x[:2], torch.zeros(64, 256, dtype=bf16), None, NORM, x[:2], torch.ones(256, dtype=bf16), 1e-6)
 gemv(torch.zeros(2, 512, dtype=bf16), torch.zeros(64, 256, dtype=bf16), prologue=SILU)
 gumbel_max_sample(torch.zeros(3, 1000, dtype=bf16), torch.ones(3), seed=1)
 q = torch.zeros(8, 4, 128, dtype=bf16)

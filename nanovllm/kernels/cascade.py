@@ -31,6 +31,7 @@ from nanovllm.kernels.decode import (
     splits_pad,
 )
 from nanovllm.kernels.paged import kv_row_offsets, widen_config, widen_v
+from nanovllm.kernels.pdl import pdl_launch, wait_for_inputs
 
 ROWS = 32  # query rows of a prefix tile: members x GROUP heads (tl.dot wants >= 16)
 MERGE_HEADS = 4  # query heads of a row that one merge program combines
@@ -57,9 +58,11 @@ def _cascade_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, MEMBERS: tl.constexpr, ROWS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One launch, two kinds of programs: first one per (tile, KV head, prefix split), then one
     per (decode row, KV head, split) of the rows' own keys; the two overlap on the GPU."""
+    wait_for_inputs(PDL)
     pid = tl.program_id(0)
     if pid < num_prefix_programs:
         _shared_prefix(
@@ -194,7 +197,7 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), MEMBERS=members,
         ROWS_PAD=max(16, triton.next_power_of_2(members * group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], NUM_KV_HEADS=num_kv_heads,
-        **widen_config(q.dtype, k_cache.dtype), **cfg,
+        **widen_config(q.dtype, k_cache.dtype), **cfg, **pdl_launch(q.device, num_seqs),
     )
     # 4 query heads a program: 1.8x to 2.2x faster than one on an H200 at batch 256
     # (benchmarks/results/h200_cascade_merge.log)
@@ -202,6 +205,6 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         partial, lse, out, cu_seqlens_q, context_lens, key_starts, num_splits, prefix_splits,
         *partial_strides, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEADS=MERGE_HEADS,
         HEAD_DIM=head_dim, BLOCK_N=cfg["BLOCK_N"], CASCADE=True, PREFIX_BLOCK_N=cfg["BLOCK_N"],
-        SPLITS_PAD=splits_pad(slots), num_warps=4,
+        SPLITS_PAD=splits_pad(slots), num_warps=4, **pdl_launch(q.device, num_seqs),
     )
     return out

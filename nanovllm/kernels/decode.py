@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.paged import kv_row_offsets, widen_config, widen_v
+from nanovllm.kernels.pdl import pdl_launch, wait_for_inputs
 
 # more splits than this only adds merge work: 64 chunks of a long context already fill the GPU
 MAX_SPLITS = 64
@@ -53,7 +54,9 @@ def _decode_split_kernel(
     stride_ot, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, CASCADE: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     _decode_split(
         tl.program_id(1), tl.program_id(0), tl.program_id(2), q_ptr, k_cache_ptr, v_cache_ptr,
         cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr, key_starts_ptr, out_ptr, partial_ptr,
@@ -136,10 +139,11 @@ def _merge_splits_kernel(
     num_splits, prefix_splits, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls, stride_ot,
     stride_oh, NUM_HEADS: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, CASCADE: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program per (decode row, HEADS of its query heads): their splits' partial outputs
     merged by log-sum-exp."""
+    wait_for_inputs(PDL)
     seq = tl.program_id(0)
     token = tl.load(cu_seqlens_q_ptr + seq)
     next_token = tl.load(cu_seqlens_q_ptr + seq + 1)
@@ -264,7 +268,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], CASCADE=False,
-        **{**widen_config(q.dtype, k_cache.dtype), **cfg},
+        **{**widen_config(q.dtype, k_cache.dtype), **cfg}, **pdl_launch(q.device, num_seqs),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
@@ -272,6 +276,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEADS=1, HEAD_DIM=head_dim,
             BLOCK_N=cfg["BLOCK_N"], CASCADE=False, PREFIX_BLOCK_N=1,
-            SPLITS_PAD=splits_pad(num_splits), num_warps=4,
+            SPLITS_PAD=splits_pad(num_splits), num_warps=4, **pdl_launch(q.device, num_seqs),
         )
     return out

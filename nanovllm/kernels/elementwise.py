@@ -11,21 +11,25 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.pdl import pdl_launch, wait_for_inputs
+
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, eps,
-                         HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr):
+                         HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
+                         PDL: tl.constexpr = False):
     # One program per token: x (+ residual), its RMS in float32, times the weight.
     row = tl.program_id(0).to(tl.int64) * HIDDEN
     cols = tl.arange(0, BLOCK)
     inside = cols < HIDDEN
+    weight = tl.load(weight_ptr + cols, mask=inside, other=0.0)  # no step's output: before the wait
+    wait_for_inputs(PDL)
     x = tl.load(x_ptr + row + cols, mask=inside, other=0.0)
     if ADD:  # the sum is rounded to the model's dtype, as in PyTorch, and is the next residual
         x = x + tl.load(residual_ptr + row + cols, mask=inside, other=0.0)
         tl.store(new_residual_ptr + row + cols, x, mask=inside)
     y = x.to(tl.float32)
     y = y * tl.rsqrt(tl.sum(y * y, 0) / HIDDEN + eps)
-    weight = tl.load(weight_ptr + cols, mask=inside, other=0.0)
     tl.store(out_ptr + row + cols, weight * y.to(x.dtype), mask=inside)
 
 
@@ -40,7 +44,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     num_warps = min(max(block // 256, 1), 16)  # 8 columns a thread
     _add_rms_norm_kernel[(x.numel() // hidden,)](
         x, x if residual is None else residual.contiguous(), weight, out, new_residual, eps,
-        HIDDEN=hidden, BLOCK=block, ADD=residual is not None, num_warps=num_warps)
+        HIDDEN=hidden, BLOCK=block, ADD=residual is not None, num_warps=num_warps,
+        **pdl_launch(x.device, x.numel() // hidden))
     return out, new_residual
 
 

@@ -20,7 +20,8 @@ waits for the kernel before it (`gdc_wait`), so the weight stream overlaps that 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from nanovllm.kernels.pdl import pdl_launch, wait_for_inputs
 
 MAX_ROWS = 8  # rows the kernels take; a decoder layer uses them at <= 2 (models/llama.py)
 PLAIN, NORM, SILU = 0, 1, 2
@@ -55,7 +56,7 @@ def _gemv_kernel(
     stride_x, stride_res, stride_w, stride_y, stride_res_out,
     N: tl.constexpr, K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,
     HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     rows = tl.arange(0, M_PAD)
@@ -66,9 +67,7 @@ def _gemv_kernel(
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
     # the first weight tile: weights are no output of the kernel before, so it streams in early
     w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & (ks < K)[None, :], other=0.0)
-    if PDL:
-        gdc_wait()  # the inputs are the kernel before's outputs
-        gdc_launch_dependents()
+    wait_for_inputs(PDL)  # the inputs are the kernel before's outputs
 
     rstd = tl.zeros([M_PAD], tl.float32)
     if PROLOGUE == 1:  # RMSNorm's 1 / rms of each row, over all K (re-read from L2 below)
@@ -113,7 +112,7 @@ def gemv_config(n: int, k: int) -> dict:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          prologue: int = PLAIN, residual: torch.Tensor | None = None,
-         norm_weight: torch.Tensor | None = None, eps: float = 0.0, pdl: bool = False,
+         norm_weight: torch.Tensor | None = None, eps: float = 0.0,
          config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(a @ weight.T + bias, new residual) for x [M, *] with M <= MAX_ROWS, where a is x (PLAIN),
     RMSNorm(x + residual) with norm_weight (NORM; the new residual is x + residual, or x without
@@ -135,7 +134,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x.stride(0), residual.stride(0) if has_res else 0, weight.stride(0), y.stride(0),
         res_out.stride(0) if has_res else 0,
         N=n, K=k, PROLOGUE=prologue, HAS_RES=has_res, HAS_BIAS=bias is not None,
-        M_PAD=triton.next_power_of_2(m), PDL=pdl, launch_pdl=pdl, **cfg,
+        M_PAD=triton.next_power_of_2(m), **cfg, **pdl_launch(x.device, m),
     )
     if prologue != NORM:
         return y, None

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.paged import kv_row_offsets, widen_config, widen_v
+from nanovllm.kernels.pdl import pdl_launch, wait_for_inputs
 
 QUERY_TILE = 64  # queries per program (BLOCK_M): the caller lists the tiles in these
 
@@ -66,8 +67,9 @@ def _prefill_kernel(
     stride_kb, stride_ks, stride_kh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    FP8_ASM: tl.constexpr,
+    FP8_ASM: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     head = tl.program_id(0)
     tile = tl.program_id(1)
     seq = tl.load(query_tiles_ptr + 2 * tile)  # tile = BLOCK_M queries of one sequence
@@ -151,6 +153,6 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=tile_size, **widen_config(q.dtype, k_cache.dtype),
-        **prefill_config(head_dim, k_cache.dtype),
+        **prefill_config(head_dim, k_cache.dtype), **pdl_launch(q.device, q.shape[0]),
     )
     return out

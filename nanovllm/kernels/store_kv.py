@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.pdl import pdl_launch, wait_for_inputs
+
 
 @triton.jit
 def _rope_store_kernel(
@@ -21,10 +23,11 @@ def _rope_store_kernel(
     v_cache_ptr, slot_mapping_ptr, eps, stride_t, inv_k_scale, inv_v_scale,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     QK_PAD: tl.constexpr, KV_PAD: tl.constexpr, HAS_NORM: tl.constexpr, FP8: tl.constexpr,
-    ROUND: tl.constexpr,
+    ROUND: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # One program per token: its query and key heads as one [QK_PAD, HEAD_DIM / 2] tile per half
     # of a head.
+    wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
     heads = tl.arange(0, QK_PAD)[:, None]  # query heads, then key heads
@@ -113,6 +116,6 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
         QK_PAD=triton.next_power_of_2(num_heads + num_kv_heads),
         KV_PAD=triton.next_power_of_2(num_kv_heads),
         HAS_NORM=has_norm, FP8=k_cache.dtype == torch.float8_e4m3fn,
-        ROUND=os.environ.get("TRITON_INTERPRET") == "1",
+        ROUND=os.environ.get("TRITON_INTERPRET") == "1", **pdl_launch(qkv.device, num_tokens),
     )
     return q

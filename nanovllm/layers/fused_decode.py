@@ -5,13 +5,12 @@ Each decoder layer of nanovllm/models/llama.py, step for step, with each norm an
 moved into the prologue of the projection after it (nanovllm/kernels/gemv.py): RMSNorm + residual
 add + qkv, rotary + KV store, attention, o_proj, RMSNorm + residual add + gate_up, silu(gate) * up +
 down. The model runner takes this path on CUDA for steps of at most MAX_STEP_ROWS tokens
-(ModelRunner.forward). On an H200 a layer of Qwen3-0.6B takes 29 us instead of 43 at 1 row, 34
-instead of 45 at 2; at 4 rows it is no faster and at 8 slower (each program holds M times the
-accumulators). Its logits are the plain layer's within bf16 noise: both are 4e-2 of the largest
-logit from a float32 run.
+(ModelRunner.forward), where every kernel launches with PDL (kernels/pdl.py). On an H200 a layer
+of Qwen3-0.6B took 29 us instead of 43 at 1 row, 34 instead of 45 at 2 (the GEMVs alone with PDL);
+at 4 rows it is no faster and at 8 slower (each program holds M times the accumulators). Its
+logits are the plain layer's within bf16 noise: both are 4e-2 of the largest logit from a float32
+run.
 """
-import functools
-
 import torch
 import torch.distributed as dist
 
@@ -21,15 +20,9 @@ MAX_STEP_ROWS = 2  # the rows up to which this path is faster (at most the kerne
 assert MAX_STEP_ROWS <= MAX_ROWS
 
 
-@functools.cache
-def use_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch where the GPU has it (Hopper and later)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def project(linear, x, **prologue):
     """linear(a) for a made from x by the gemv prologue; a row-parallel shard all-reduces."""
-    y, residual = gemv(x, linear.weight, linear.bias, pdl=use_pdl(x.device), **prologue)
+    y, residual = gemv(x, linear.weight, linear.bias, **prologue)
     if hasattr(linear, "group"):  # RowParallel (layers/tensor_parallel.py): partial sums
         dist.all_reduce(y, group=linear.group)
     return y, residual
