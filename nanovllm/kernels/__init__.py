@@ -11,6 +11,7 @@ backend uses on CUDA.
 - `elementwise.py`: RMSNorm with the residual add, and SwiGLU's gate: the layers between the
   projections; used by every backend on CUDA.
 - `paged.py`: the one piece they share, the address of a key's row in the block-paged cache.
+- `pdl.py`: programmatic dependent launch, for the kernels of steps of one or two rows.
 - `compile_ahead.py`: the engine's kernels compiled at once, on threads, while it starts.
 """
 from nanovllm.kernels.decode import decode_attention, num_decode_splits
