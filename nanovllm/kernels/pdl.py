@@ -10,7 +10,7 @@ kernels make (the weights it may read first); a plain kernel after it waits for 
 
 Only where a kernel has at most PDL_MAX_ROWS rows (tokens or sequences), as in the steps of
 layers/fused_decode.py: there the GPU has room for the programs that wait. In bigger steps they
-take SMs from the kernels they wait on. On an H200, with PDL at any size decode ran 6-9% slower at
+take SMs from the kernels they wait on. On an H200, with PDL at any size decode ran 5-9% slower at
 batch 4 to 16 and 4% at 64, against 8% faster at batch 1 and 3% at 2 (docs/benchmarks.md).
 """
 import functools
