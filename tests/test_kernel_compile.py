@@ -56,6 +56,7 @@ from nanovllm.kernels import decode_attention, prefill_attention, rope_store  # 
 from nanovllm.kernels.cascade import cascade_attention, members_per_tile  # noqa: E402
 from nanovllm.kernels.elementwise import add_rms_norm, silu_and_mul  # noqa: E402
 from nanovllm.kernels.gemv import NORM, SILU, gemv  # noqa: E402
+from nanovllm.kernels.host_copy import copy  # noqa: E402
 from nanovllm.kernels.sample import gumbel_max_sample  # noqa: E402
 
 bf16, i32 = torch.bfloat16, torch.int32
@@ -66,6 +67,7 @@ silu_and_mul(torch.zeros(4, 512, dtype=bf16))
 gemv(x[:2], torch.zeros(64, 256, dtype=bf16), None, NORM, x[:2], torch.ones(256, dtype=bf16), 1e-6)
 gemv(torch.zeros(2, 512, dtype=bf16), torch.zeros(64, 256, dtype=bf16), prologue=SILU)
 gumbel_max_sample(torch.zeros(3, 1000, dtype=bf16), torch.ones(3), seed=1)
+copy(torch.zeros(5, dtype=torch.int32), torch.zeros(5, dtype=torch.int32))
 q = torch.zeros(8, 4, 128, dtype=bf16)
 cu, lens = torch.arange(9, dtype=i32), torch.ones(8, dtype=i32)
 tables = torch.zeros(8, 4, dtype=i32)
@@ -92,4 +94,4 @@ def test_every_kernel_compiles_for_hopper():
     assert compiled >= {"_add_rms_norm_kernel", "_silu_and_mul_kernel", "_gemv_kernel",
                         "_decode_split_kernel", "_merge_splits_kernel", "_cascade_kernel",
                         "_prefill_kernel", "_rope_store_kernel", "_chunk_stats_kernel",
-                        "_pick_kernel"}, compiled
+                        "_pick_kernel", "_copy_kernel"}, compiled

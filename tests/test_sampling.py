@@ -219,6 +219,14 @@ def test_kernel_greedy_rows_seeds_and_dtypes():
     assert kernel_draws(hot, row, seed=1).tolist() != kernel_draws(hot, row, seed=2).tolist()
     half = logits.to(torch.bfloat16)
     assert kernel_draws(temps, half, seed=5)[::2].tolist() == half.float().argmax(-1)[::2].tolist()
+    tied = torch.zeros(2, 37)
+    tied[:, [30, 9, 20]] = 1.0  # the largest logit three times, in three chunks: the first wins
+    assert kernel_draws(torch.zeros(2), tied).tolist() == tied.argmax(-1).tolist() == [9, 9]
+    from nanovllm.kernels.sample import gumbel_max_sample
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    seed = torch.zeros(1, dtype=torch.int64, device=device)  # as the model runner's greedy steps
+    zeros = torch.zeros(2, device=device)
+    assert gumbel_max_sample(tied.to(device), zeros, seed, block=8).tolist() == [9, 9]
 
 
 @pytest.mark.slow

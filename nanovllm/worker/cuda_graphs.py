@@ -34,6 +34,7 @@ import torch
 from nanovllm.attention import AttentionMetadata
 from nanovllm.core.sequence import num_blocks_for
 from nanovllm.kernels.compile_ahead import compile_ahead, first_layer_only
+from nanovllm.kernels.host_copy import copy
 from nanovllm.kernels.prefill import QUERY_TILE, query_tiles
 from nanovllm.kernels.sample import gumbel_max_sample
 from nanovllm.utils.pinned import host_tensor
@@ -56,10 +57,12 @@ def field_sizes(num_tokens: int, num_seqs: int, num_tiles: int, width: int) -> l
     return [size + -size % 4 for size in sizes]
 
 
-def upload(step: StepInputs, sizes: tuple, into: torch.Tensor) -> torch.Tensor:
+def upload(step: StepInputs, sizes: tuple, into: torch.Tensor,
+           staging: torch.Tensor | None = None) -> torch.Tensor:
     """Copy the step's fields into a graph's flat int32 inputs, laid out and padded to the graph's
     `sizes`: padding tokens write nowhere (slot -1), padding sequences have no tokens and no keys,
-    padding tiles no sequence. The sampled rows' token indices follow."""
+    padding tiles no sequence. The sampled rows' token indices follow. On the GPU they go through
+    `staging`, pinned host memory that the copy kernel reads (kernels/host_copy.py)."""
     cu_k, tables = list(accumulate(step.context_lens, initial=0)), []
     for table in step.block_tables:  # each padded to the graph's width (a row at a time: faster)
         tables += table
@@ -70,8 +73,10 @@ def upload(step: StepInputs, sizes: tuple, into: torch.Tensor) -> torch.Tensor:
     flat = []
     for values, size, pad in zip(fields, field_sizes(*sizes), pads):
         flat += values + [pad] * (size - len(values))
-    host = host_tensor(flat + step.sample_rows, torch.int32, pin=into.is_cuda)
-    return into[:host.numel()].copy_(host, non_blocking=True)
+    host = host_tensor(flat + step.sample_rows, torch.int32, pin=False)
+    if staging is None:
+        return into[:host.numel()].copy_(host)
+    return copy(staging[:host.numel()].copy_(host), into[:host.numel()])
 
 
 def unpack(flat: torch.Tensor, layout: tuple, lengths: tuple, num_decodes: int,
@@ -155,6 +160,13 @@ class CUDAGraphs:
             ends_in_logits = whole and kind == "decode" and self.logits is not None
             forward = self.decode_forward(runner) if ends_in_logits else runner.forward
             plans.append((kind, size, sizes, inputs, args, whole, ends_in_logits, forward))
+        # uploads staged in rows of pinned memory, in turn (kernels/host_copy.py); each row's
+        # event marks when the GPU has read it
+        self.staging = torch.zeros(len(runner.sampled) + 1, max(p[3].numel() for p in plans),
+                                   dtype=torch.int32, pin_memory=True)
+        self.staged = [torch.cuda.Event() for _ in self.staging]
+        self.row = 0
+        copy(self.staging[0, :1], plans[0][3][:1])  # compiled now, not at the first step
         with compile_ahead(runner.model):  # the whole graphs' Triton kernels, all at once
             for _, _, _, _, args, whole, _, forward in plans:
                 if whole:
@@ -206,7 +218,8 @@ class CUDAGraphs:
         """Upload the step into the inputs of the graph that holds it and replay the graph: the
         logits of the rows that sample (None on tensor-parallel ranks other than 0)."""
         graph = self.find(step)
-        flat = upload(step, graph.sizes, graph.inputs)
+        flat = upload(step, graph.sizes, graph.inputs, self.stage())
+        self.staged[self.row].record()
         if not graph.ends_in_logits and min(step.input_ids) < 0:  # the token ids lead the upload
             runner.fill_placeholders(flat[:len(step.input_ids)])
         meta = None  # the eager attention between a piecewise graph's pieces takes views of them
@@ -222,6 +235,12 @@ class CUDAGraphs:
             return hidden[rows]
         self.sampleable = hidden[:len(rows)]  # one row each: `sample` may draw them in a graph
         return self.sampleable
+
+    def stage(self) -> torch.Tensor:
+        """The next row of the staging memory, once the GPU has read what it last held."""
+        self.row = (self.row + 1) % len(self.staging)
+        self.staged[self.row].synchronize()  # long since, but for a failed launch's upload
+        return self.staging[self.row]
 
     def sample(self, logits: torch.Tensor, t, slot: int = 0) -> torch.Tensor | None:
         """The next tokens of a decode graph's logits (all its rows, as `run` returned them), if

@@ -29,17 +29,20 @@ class ModelRunner:
         self.config = config
         self.device = device or torch.device("cuda:0" if config.device == "cuda" else "cpu")
         # on CUDA, Triton kernels (imported only where they run): sampling in one pass over the
-        # logits (kernels/sample.py), steps of a few rows through fused GEMVs (fused_decode.py)
-        self.one_pass_sample = self.small_batch = None
+        # logits (kernels/sample.py), steps of a few rows through fused GEMVs (fused_decode.py),
+        # the sampled tokens to pinned memory by a kernel (kernels/host_copy.py)
+        self.one_pass_sample = self.small_batch = self.copy_to_host = None
         if self.device.type == "cuda":
             # cuBLAS without a workspace, unless the user set one (before any GEMM of the process):
             # at decode batch sizes its split-K GEMMs, each with a reduce kernel after it, give
             # way to one kernel each (docs/benchmarks.md, "Busy under serving load")
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":0:0")
             torch.cuda.set_device(self.device)
+            from nanovllm.kernels.host_copy import copy
             from nanovllm.kernels.sample import gumbel_max_sample
             from nanovllm.layers import fused_decode
             self.one_pass_sample, self.small_batch = gumbel_max_sample, fused_decode
+            self.copy_to_host = copy
         cfg = config.hf_config
         self.backend = get_backend(config.attn_backend)(*self.heads(), cfg["head_dim"], config)
         torch.manual_seed(config.seed)
@@ -56,7 +59,14 @@ class ModelRunner:
         # the sampled tokens of the steps not read yet, a slot each (worker/run_ahead.py)
         self.sampled = torch.zeros(config.steps_ahead + 1, config.max_num_seqs,
                                    dtype=torch.int64, device=self.device)
+        self.sampled_host = None  # on CUDA, the same in pinned memory, where each step's land
+        if self.copy_to_host is not None:
+            self.sampled_host = torch.zeros_like(self.sampled, device="cpu", pin_memory=True)
+            self.copy_to_host(self.sampled[0, :1], self.sampled_host[0, :1])  # compiled now
         self.eos_token_ids: set[int] = set()  # the engine's, for min_tokens
+        # a greedy step's argmax by one_pass_sample at temperature 0 (no kernel fills these)
+        self.greedy = (torch.zeros(config.max_num_seqs, device=self.device),
+                       torch.zeros(1, dtype=torch.int64, device=self.device))
         self.swap_space = self.graphs = None
         self.kv_cache = KVCache(self.model, config, self.device)
         self.kv_cache.allocate(self.num_kv_blocks())
@@ -119,16 +129,24 @@ class ModelRunner:
         """Launch one step of the batch and its sampling, without waiting for the GPU: the next
         token of each sample row (a row per sampling sequence, n rows for the prompt of a new
         n-sample request) and, when asked, their log-probabilities (which do wait). They go into
-        the batch's slot of `sampled`, where the steps after it fill their placeholders from."""
+        the batch's slot of `sampled`, where the steps after it fill their placeholders from (on
+        CUDA also into its slot of `sampled_host`, where the engine reads them)."""
         logits = self.execute(self.step_inputs(batch))
         if not batch.seqs:  # only block moves: nothing sampled
             return torch.empty(0, dtype=torch.int64), None
         slot = self.sampled[batch.slot, :len(batch.sampled)]
         params = [seq.params for seq in batch.seqs]
+        top = None
         if all(p.greedy and not p.penalized and p.logprobs is None for p in params):
-            return torch.argmax(logits, -1, out=slot), None
-        # penalties, temperature, seeds, truncation, log-probabilities: layers/sampler.py
-        token_ids, top = sample_batch(logits, batch, self)
-        if token_ids.data_ptr() != slot.data_ptr():  # (a sampler graph draws into the slot)
-            slot.copy_(token_ids)
-        return slot, top
+            if self.one_pass_sample is None:
+                torch.argmax(logits, -1, out=slot)
+            else:
+                zeros, seed = self.greedy
+                self.one_pass_sample(logits, zeros[:len(slot)], seed, out=slot)
+        else:  # penalties, temperature, seeds, truncation, log-probabilities: layers/sampler.py
+            token_ids, top = sample_batch(logits, batch, self)
+            if token_ids.data_ptr() != slot.data_ptr():  # (a sampler graph draws into the slot)
+                slot.copy_(token_ids)
+        if self.sampled_host is None:
+            return slot, top
+        return self.copy_to_host(slot, self.sampled_host[batch.slot, :len(slot)]), top

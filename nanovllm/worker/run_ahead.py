@@ -28,13 +28,11 @@ class SampledTokens:
     log-probabilities)."""
 
     def __init__(self, token_ids: torch.Tensor, logprobs: list | None):
-        """A copy of token_ids (their slot takes a later step's): from the GPU a pinned one, filled
-        once the step reaches `ready`."""
+        """token_ids: on CUDA in pinned memory that the step fills (the model runner's, a slot
+        each), read once the step reaches `ready`; else a copy (their slot takes a later step's)."""
         self.ready, self.logprobs = None, logprobs
-        self.host = torch.empty(token_ids.shape, dtype=token_ids.dtype,
-                                pin_memory=token_ids.is_cuda)
-        self.host.copy_(token_ids, non_blocking=True)
-        if token_ids.is_cuda:
+        self.host = token_ids if token_ids.is_pinned() else token_ids.clone()
+        if token_ids.is_pinned():
             self.ready = torch.cuda.Event()
             self.ready.record()
 
