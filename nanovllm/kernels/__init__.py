@@ -7,7 +7,10 @@ backend uses on CUDA.
   block table, so prefix-cache hits and chunked prefill need no special case.
 - `decode.py`: paged decode attention with split-KV ("flash decoding") and a log-sum-exp reduction.
 - `sample.py`: exact temperature sampling (the Gumbel-max trick over vocabulary chunks, then inside
-  the drawn chunk) in one read of the logits; used by every backend on CUDA.
+  the drawn chunk) in one read of the logits, at temperature 0 the argmax; used by every backend
+  on CUDA.
+- `host_copy.py`: a step's upload and its sampled tokens copied by a kernel through pinned memory,
+  so a step's boundary is a chain of kernels; used by every backend on CUDA.
 - `elementwise.py`: RMSNorm with the residual add, and SwiGLU's gate: the layers between the
   projections; used by every backend on CUDA.
 - `paged.py`: the one piece they share, the address of a key's row in the block-paged cache.
