@@ -82,6 +82,7 @@ def save_random_qwen3(path: str, tokenizer: str | None):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    sys.path.append(ROOT)  # this tree's package, where it is not installed (the GPU hosts)
     from nanovllm.utils.fetch import smollm2_path
     cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
