@@ -187,10 +187,11 @@ def test_greedy_rows_among_plain_temperature_rows_take_the_argmax():
 # ---------- the CUDA sampling kernel ----------
 # (nanovllm/kernels/sample.py; Triton's interpreter on CPU)
 
-def kernel_draws(temperatures: torch.Tensor, logits: torch.Tensor, seed: int = 0,
-                 block: int = 8) -> torch.Tensor:
+def kernel_draws(temperatures: torch.Tensor, logits: torch.Tensor,
+                 seed: int | torch.Tensor = 0, block: int = 8) -> torch.Tensor:
     from nanovllm.kernels.sample import gumbel_max_sample
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    seed = seed.to(device) if isinstance(seed, torch.Tensor) else seed
     return gumbel_max_sample(logits.to(device), temperatures.to(device), seed, block=block).cpu()
 
 
@@ -222,11 +223,8 @@ def test_kernel_greedy_rows_seeds_and_dtypes():
     tied = torch.zeros(2, 37)
     tied[:, [30, 9, 20]] = 1.0  # the largest logit three times, in three chunks: the first wins
     assert kernel_draws(torch.zeros(2), tied).tolist() == tied.argmax(-1).tolist() == [9, 9]
-    from nanovllm.kernels.sample import gumbel_max_sample
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    seed = torch.zeros(1, dtype=torch.int64, device=device)  # as the model runner's greedy steps
-    zeros = torch.zeros(2, device=device)
-    assert gumbel_max_sample(tied.to(device), zeros, seed, block=8).tolist() == [9, 9]
+    seed = torch.zeros(1, dtype=torch.int64)  # a tensor, as the model runner's greedy steps pass
+    assert kernel_draws(torch.zeros(2), tied, seed).tolist() == [9, 9]
 
 
 @pytest.mark.slow
