@@ -75,6 +75,17 @@ def abort(engine, request_id) -> bool:
     return True
 
 
+def abort_all(engine) -> list:
+    """After a step failed: end every request (`abort`) and drop what was launched and held; the
+    ids of the requests ended."""
+    ended = list(engine.requests)
+    for request_id in ended:
+        abort(engine, request_id)
+    engine.in_flight.clear()
+    engine.held = []
+    return ended
+
+
 def lose(engine, batches: list[ScheduledBatch], outputs: list):
     """Steps whose tokens will not be read (the one the host waited for, and those launched after
     it, which took those tokens on the device): their sequences start over; the outputs so far wait

@@ -14,6 +14,7 @@ import logging
 import threading
 from dataclasses import replace
 
+from nanovllm.core.requeue import abort_all
 from nanovllm.outputs import RequestOutput
 
 log = logging.getLogger("nanovllm.serve")
@@ -159,10 +160,7 @@ class EngineThread:
     def fail_all(self, error: Exception):
         failed = [(self.queues.pop(rid), error) for rid in list(self.llm.requests)
                   if rid in self.queues]
-        for request_id in list(self.llm.requests):
-            self.llm.abort_request(request_id)
-        self.llm.in_flight.clear()  # what the failed step launched is dropped
-        self.llm.held = []
+        abort_all(self.llm)
         self.loop.call_soon_threadsafe(deliver, failed)
 
 

@@ -40,6 +40,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import replace
 
+from nanovllm.core.requeue import abort_all
 from nanovllm.serve.engine_thread import EngineFailure, settle
 
 log = logging.getLogger("nanovllm.serve")
@@ -129,11 +130,7 @@ def serve_commands(llm, commands, results):
             outputs = llm.step()
         except Exception as e:  # noqa: BLE001 (a bug, not a bad request: those were refused)
             log.exception("an engine step failed; ending the requests it held")
-            failed = list(llm.requests)
-            for request_id in failed:
-                llm.abort_request(request_id)
-            llm.in_flight.clear()
-            llm.held = []
+            failed = abort_all(llm)
             send("failed", failed, f"the engine failed: {type(e).__name__}: {e}")
             continue
         if outputs:
