@@ -7,7 +7,8 @@ shows the GPU idle 4-13 us at each switch between the engines (three a step: the
 tokens' copy, that copy to the next step's upload, the upload to the graph). Pinned memory is
 mapped into the GPU's address space (unified addressing), so a kernel reads and writes it over PCIe
 directly, and the step stays a chain of kernels. The host buffers must outlive the kernel that
-reads or writes them: the model runner keeps one per run-ahead slot.
+reads or writes them: the model runner keeps the tokens', a row per run-ahead slot, and its CUDA
+graphs the uploads' (worker/cuda_graphs.py).
 """
 import torch
 import triton
