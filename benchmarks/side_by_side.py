@@ -149,7 +149,7 @@ def main():
     if args.save_random:
         save_random_qwen3(args.model, args.tokenizer)
     engines = [("nanovllm", ROOT, "")]
-    engines += [("nano-vllm", args.nano_vllm, "")] if args.nano_vllm else []
+    engines += [("nano-vllm", os.path.abspath(args.nano_vllm), "")] if args.nano_vllm else []
     for spec in args.engine:
         name, _, where = spec.partition("=")
         root, _, backend = where.partition("@")
