@@ -11,7 +11,8 @@ and the attention backend it builds. Per engine and run (`--runs`), a row of:
   first run starts from empty Triton and Inductor caches (directories of its own), the next ones
   find them warm; with `--serve`, for nanovllm trees, seconds from starting `python -m
   nanovllm.serve DIR` to its /health answering 200 (a cold run's server from empty caches of
-  its own, a warm run's from the engine's);
+  its own, a warm run's from the engine's); `--serve-only` times the server alone, the row's
+  only column (a cold run's from the empty caches that the warm runs then find filled);
 - first use: the first request of 8 tokens, the first batch of 64 requests sharing a 1,024-token
   prefix, a batch of the same shape with a prefix never seen, and that batch again (what the
   first use of a feature builds while serving shows here);
@@ -138,12 +139,17 @@ def main():
                         help="each engine's first run starts from empty compile caches")
     parser.add_argument("--serve", action="store_true",
                         help="also time nanovllm.serve from start to /health (nanovllm trees)")
+    parser.add_argument("--serve-only", action="store_true",
+                        help="time nanovllm.serve's start alone, --runs times per tree")
     parser.add_argument("--save-random", action="store_true",
                         help="first write a random Qwen3-0.6B checkpoint into --model")
     parser.add_argument("--tokenizer", help="with --save-random: the directory of the tokenizer")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--backend", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_only and args.nano_vllm:
+        parser.error("--serve-only times nanovllm trees: nano-vllm has no server")
+    args.serve |= args.serve_only
     if args.child:
         return child(args.child, args.model, args.backend)
     if args.save_random:
@@ -157,9 +163,11 @@ def main():
             parser.error(f"--engine {spec!r}: NAME=ROOT[@BACKEND], ROOT holding a nanovllm package")
         engines.append((name, os.path.abspath(root), backend))
     import torch
-    print(f"{torch.cuda.get_device_name()}, {args.model}", flush=True)
-    keys = ["run", "import_s", "build_s", "first_request_s", "first_shared_batch_s",
-            "new_prefix_batch_s", "same_batch_again_s", "bench_tok_s", "batch1_tok_s"]
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    print(f"{device}, {args.model}", flush=True)
+    keys = ["run"] if args.serve_only else [
+        "run", "import_s", "build_s", "first_request_s", "first_shared_batch_s",
+        "new_prefix_batch_s", "same_batch_again_s", "bench_tok_s", "batch1_tok_s"]
     keys += ["serve_ready_s"] if args.serve else []
     print("| engine | " + " | ".join(keys) + " |\n|---|" + "---:|" * len(keys), flush=True)
     for name, root, backend in engines:
@@ -167,17 +175,18 @@ def main():
         cold_env = empty_caches(os.path.join(caches, "engine"))
         for run in range(args.runs):
             env = {**os.environ, **cold_env} if args.cold else os.environ
-            out = subprocess.run([sys.executable, __file__, "--model", args.model, "--child", root,
-                                  "--backend", backend], capture_output=True, text=True, cwd=root,
-                                 env=env)
-            if out.returncode:
-                sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
-            row = json.loads(out.stdout.strip().splitlines()[-1])
             cold = args.cold and run == 0
-            row["run"] = "cold" if cold else "warm"
+            row = {"run": "cold" if cold else "warm"}
+            if not args.serve_only:
+                out = subprocess.run([sys.executable, __file__, "--model", args.model, "--child",
+                                      root, "--backend", backend], capture_output=True, text=True,
+                                     cwd=root, env=env)
+                if out.returncode:
+                    sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
+                row |= json.loads(out.stdout.strip().splitlines()[-1])
             if args.serve and name != "nano-vllm":
                 serve_env = env
-                if cold:  # the server starts from empty caches of its own too
+                if cold and not args.serve_only:  # the server starts from empty caches of its own
                     serve_env = {**os.environ, **empty_caches(os.path.join(caches, "serve"))}
                 row["serve_ready_s"] = round(serve_ready(root, args.model, backend, serve_env), 2)
             cells = [row[k] if isinstance(row.get(k), str) else f"{row.get(k, math.nan):,}"
